@@ -1,0 +1,67 @@
+"""The `mismatch-lab` command.
+
+    mismatch-lab collect --study studies/default/study.toml
+    mismatch-lab analyze --db studies/default/default.duckdb --json out.json
+    mismatch-lab train --study studies/dppo-sanity/study.toml --loss dppo_binary_tv
+    mismatch-lab figures studies/precision-sweep    |  mismatch-lab figures --all
+    mismatch-lab app --study studies/precision-sweep
+    mismatch-lab model prepare
+    mismatch-lab export --db X.duckdb --out studies/x/results
+
+Each subcommand lives in its own module exposing `add_arguments(parser)` and `run(args) -> int`; the
+module is imported only when its subcommand runs, so `mismatch-lab analyze` never imports torch.
+User mistakes raise `UserError`, printed as one line with exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from mismatch_lab.errors import UserError
+
+# subcommand -> (module, one-line help)
+SUBCOMMANDS = {
+    "collect": ("mismatch_lab.collect", "run a checkpoint through the rollout engine and the trainer scorer into DuckDB"),
+    "analyze": ("mismatch_lab.analysis.command", "print the analyses of a store and write them as JSON"),
+    "train": ("mismatch_lab.rl.command", "reference DPPO / GRPO / CISPO / PG-IS training run logging mismatch metrics"),
+    "figures": ("mismatch_lab.figures.command", "regenerate the paper-style figures of stored studies"),
+    "app": ("mismatch_lab.app_command", "start the Streamlit app"),
+    "model": ("mismatch_lab.models", "prepare the embedded default model (SmolLM2-135M-Instruct)"),
+    "export": ("mismatch_lab.store.parquet", "export a DuckDB store to compact Parquet (zstd)"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mismatch-lab", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name != module_name:
+                raise
+            continue  # not part of this build yet: the subcommand is simply not offered
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        module.add_arguments(p)
+        p.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args._run(args) or 0)
+    except UserError as exc:
+        print(f"mismatch-lab {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"\nmismatch-lab {args.command}: interrupted; committed work is kept, re-run the same command to resume",
+              file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

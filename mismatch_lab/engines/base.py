@@ -1,0 +1,74 @@
+"""The rollout-engine Protocol and the records it returns.
+
+Lifecycle of an engine: construct (loads the checkpoint at one dtype) -> generate / prefill_logprobs
+-> optionally load_state_dict (weight sync during training) -> close.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+@dataclass
+class GenRequest:
+    """One sampled response to produce: the prompt's token ids and a per-sample seed."""
+
+    prompt_ids: list[int]
+    seed: int
+
+
+@dataclass
+class Sample:
+    """One generated response with the rollout engine's log-probs (μ) of every sampled token.
+
+    `logps[i]` is log μ(token_ids[i]); it may be -inf or nan (stored as NULL downstream).
+    `topk_ids[i]` / `topk_logps[i]` hold the engine's top-K at step i with the sampled token included
+    (K or K+1 entries), or are None when top-K was not requested.
+    """
+
+    token_ids: list[int]
+    logps: list[float]
+    text: str
+    finish_reason: str
+    topk_ids: list[list[int]] | None = None
+    topk_logps: list[list[float]] | None = None
+    extra: dict = field(default_factory=dict)
+
+
+class RolloutEngine(Protocol):
+    name: str  # 'vllm' | 'hf'
+    dtype: str  # 'bf16' | 'fp16' | 'fp32'
+    logprobs_mode: str  # how μ is defined, e.g. vLLM 'raw_logprobs' (before any logit processing)
+    device: str
+
+    def generate(self, requests: Sequence[GenRequest], *, max_tokens: int, top_k: int) -> list[Sample]:
+        """Sample one response per request at T=1, top_p=1 and return μ for each sampled token."""
+        ...
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Replace the weights in place (training weight sync)."""
+        ...
+
+    def sampling_config(self) -> dict:
+        """The sampling parameters and logprob definition, stored in runs.config."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def make_engine(name: str, model: str, dtype: str, **kwargs) -> RolloutEngine:
+    """Build the rollout engine `name` ('vllm' | 'hf') on `model` at `dtype`."""
+    if dtype not in TORCH_DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of bf16, fp16, fp32")
+    if name == "vllm":
+        from mismatch_lab.engines.vllm_engine import VLLMEngine
+
+        return VLLMEngine(model, dtype, **kwargs)
+    if name == "hf":
+        from mismatch_lab.engines.hf_engine import HFEngine
+
+        return HFEngine(model, dtype, **{k: v for k, v in kwargs.items() if k in ("device", "seed", "max_model_len")})
+    raise ValueError(f"unknown engine {name!r}; use 'vllm' or 'hf'")

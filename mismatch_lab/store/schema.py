@@ -1,0 +1,93 @@
+"""The DuckDB data contract (see ../shared/DESIGN.md, "Data contract").
+
+One database file per study. Column names below are fixed; extra columns are allowed. There are no
+PRIMARY KEY constraints on the big tables on purpose: DuckDB keeps an ART index per key which costs
+memory and slows Arrow bulk inserts by several times on 10M-row tables. Uniqueness is guaranteed by
+the writer instead: a unit of work (a chunk of prompts of one run) is written in one transaction
+together with its row in `chunks_done`, so a crash leaves either the whole chunk or nothing.
+"""
+
+from __future__ import annotations
+
+SCHEMA_VERSION = "1"
+
+DDL = [
+    "CREATE TABLE IF NOT EXISTS meta(key VARCHAR PRIMARY KEY, value VARCHAR)",
+    """CREATE TABLE IF NOT EXISTS runs(
+        run_id VARCHAR PRIMARY KEY,
+        study VARCHAR,
+        kind VARCHAR,              -- 'collect' | 'train'
+        created_at TIMESTAMP,
+        status VARCHAR,            -- 'running' | 'complete' | 'failed'
+        model VARCHAR,
+        weights_sha256 VARCHAR,
+        engine VARCHAR,            -- 'vllm' | 'hf' (the rollout engine)
+        engine_dtype VARCHAR,      -- 'bf16' | 'fp16' | 'fp32'
+        device VARCHAR,
+        versions JSON,
+        config JSON)""",
+    """CREATE TABLE IF NOT EXISTS sequences(
+        run_id VARCHAR,
+        seq_id BIGINT,
+        prompt_id VARCHAR,
+        sample_idx INTEGER,
+        step INTEGER,              -- NULL for collect runs, the training step for train runs
+        response_text VARCHAR,
+        response_len INTEGER,
+        finish_reason VARCHAR,
+        reward DOUBLE,
+        advantage DOUBLE,
+        prompt_len INTEGER)""",
+    """CREATE TABLE IF NOT EXISTS tokens(
+        run_id VARCHAR,
+        seq_id BIGINT,
+        pos INTEGER,               -- 0-based position within the response
+        token_id INTEGER,
+        token_text VARCHAR,
+        category VARCHAR,          -- mismatch_lab.categories.categorize
+        logp_rollout DOUBLE,       -- log mu: rollout engine's log-prob of the sampled token
+        topk_ids_rollout INTEGER[],
+        topk_logps_rollout DOUBLE[])""",
+    """CREATE TABLE IF NOT EXISTS scores(
+        run_id VARCHAR,
+        seq_id BIGINT,
+        pos INTEGER,
+        scorer VARCHAR,            -- '<engine>:<dtype>', e.g. 'hf:fp32', 'vllm:bf16'
+        logp DOUBLE,               -- log pi of the sampled token; NULL when non-finite
+        entropy DOUBLE,            -- nats, full vocabulary
+        topk_ids INTEGER[],
+        topk_logps DOUBLE[],
+        tv_exact_vs_ref DOUBLE,    -- 1/2 sum_v |p(v) - p_ref(v)|, ref = the fp32 HF scorer
+        kl_exact_vs_ref DOUBLE,    -- KL(p_ref || p) = sum_v p_ref (log p_ref - log p), nats
+        nonfinite BOOLEAN)""",
+    """CREATE TABLE IF NOT EXISTS train_metrics(
+        run_id VARCHAR,
+        step INTEGER,
+        name VARCHAR,              -- slash path ending in the reduction, e.g. 'mismatch/abs_dp/mean'
+        value DOUBLE)""",
+    # Bookkeeping for resume: one row per unit of work committed atomically with its data.
+    """CREATE TABLE IF NOT EXISTS chunks_done(
+        run_id VARCHAR,
+        chunk INTEGER,
+        n_sequences INTEGER,
+        n_tokens BIGINT,
+        seconds DOUBLE,
+        done_at TIMESTAMP)""",
+    # Prompts skipped because they do not fit the context, reported in the summary.
+    """CREATE TABLE IF NOT EXISTS skipped_prompts(
+        run_id VARCHAR,
+        prompt_id VARCHAR,
+        reason VARCHAR)""",
+]
+
+TABLES = ("meta", "runs", "sequences", "tokens", "scores", "train_metrics", "chunks_done", "skipped_prompts")
+
+
+def create_schema(con) -> None:
+    """Create every table of the contract if missing and record the schema version."""
+    for stmt in DDL:
+        con.execute(stmt)
+    con.execute(
+        "INSERT INTO meta VALUES ('schema_version', ?) ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+        [SCHEMA_VERSION],
+    )
