@@ -59,7 +59,10 @@ DDL = [
         topk_logps DOUBLE[],
         tv_exact_vs_ref DOUBLE,    -- 1/2 sum_v |p(v) - p_ref(v)|, ref = the fp32 HF scorer
         kl_exact_vs_ref DOUBLE,    -- KL(p_ref || p) = sum_v p_ref (log p_ref - log p), nats
-        nonfinite BOOLEAN)""",
+        nonfinite BOOLEAN,
+        -- extra columns (allowed by the contract), aligned element-wise with other tables' id lists:
+        logps_at_rollout_topk DOUBLE[],  -- this scorer's log-probs at tokens.topk_ids_rollout (top-K TV/KL vs mu)
+        logps_at_ref_topk DOUBLE[])      -- this scorer's log-probs at the hf:fp32 scorer's topk_ids""",
     """CREATE TABLE IF NOT EXISTS train_metrics(
         run_id VARCHAR,
         step INTEGER,

@@ -1,0 +1,131 @@
+"""The one writer of a study's DuckDB file: Arrow bulk inserts, one transaction per unit of work.
+
+Resume protocol: a run is cut into chunks (a fixed slice of prompts x samples). A chunk's sequences,
+tokens and scores are inserted together with its `chunks_done` row in a single transaction, so after a
+crash (Ctrl-C, kill -9) the file holds every committed chunk exactly once and nothing of the chunk in
+flight. Re-running the same command asks `done_chunks(run_id)` and skips those.
+
+DuckDB allows one writing process per file; a second writer gets `StoreBusyError` at once, not a hang.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pyarrow as pa
+
+from mismatch_lab.errors import StoreBusyError, UserError
+from mismatch_lab.store.schema import create_schema
+
+# Arrow types matching the DDL, so DuckDB inserts without casting surprises (lists stay lists).
+SEQUENCE_TYPES = {
+    "run_id": pa.string(), "seq_id": pa.int64(), "prompt_id": pa.string(), "sample_idx": pa.int32(),
+    "step": pa.int32(), "response_text": pa.string(), "response_len": pa.int32(), "finish_reason": pa.string(),
+    "reward": pa.float64(), "advantage": pa.float64(), "prompt_len": pa.int32(),
+}
+TOKEN_TYPES = {
+    "run_id": pa.string(), "seq_id": pa.int64(), "pos": pa.int32(), "token_id": pa.int32(),
+    "token_text": pa.string(), "category": pa.string(), "logp_rollout": pa.float64(),
+    "topk_ids_rollout": pa.list_(pa.int32()), "topk_logps_rollout": pa.list_(pa.float64()),
+}
+SCORE_TYPES = {
+    "run_id": pa.string(), "seq_id": pa.int64(), "pos": pa.int32(), "scorer": pa.string(), "logp": pa.float64(),
+    "entropy": pa.float64(), "topk_ids": pa.list_(pa.int32()), "topk_logps": pa.list_(pa.float64()),
+    "tv_exact_vs_ref": pa.float64(), "kl_exact_vs_ref": pa.float64(), "nonfinite": pa.bool_(),
+    "logps_at_rollout_topk": pa.list_(pa.float64()), "logps_at_ref_topk": pa.list_(pa.float64()),
+}
+TABLE_TYPES = {"sequences": SEQUENCE_TYPES, "tokens": TOKEN_TYPES, "scores": SCORE_TYPES}
+
+
+def to_arrow(table: str, columns: dict[str, list]) -> pa.Table:
+    """Build an Arrow table for `table` from column lists; missing contract columns become NULL."""
+    types = TABLE_TYPES[table]
+    n = len(next(iter(columns.values()))) if columns else 0
+    arrays = {}
+    for name, typ in types.items():
+        vals = columns.get(name)
+        arrays[name] = pa.array(vals if vals is not None else [None] * n, type=typ)
+    unknown = set(columns) - set(types)
+    assert not unknown, f"columns outside the contract: {sorted(unknown)}"
+    return pa.table(arrays)
+
+
+def connect_writer(path: str | Path):
+    """Open (or create) the study database for writing; StoreBusyError if another process writes it."""
+    import duckdb
+
+    path = Path(path)
+    if path.parent and not path.parent.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        con = duckdb.connect(str(path))
+    except duckdb.IOException as exc:
+        if "lock" in str(exc).lower():
+            raise StoreBusyError(
+                f"{path} is being written by another process ({str(exc).splitlines()[-1].strip()}); "
+                "wait for it to finish or pass a different --db"
+            ) from exc
+        raise UserError(f"cannot open {path}: {exc}; pass a writable --db path") from exc
+    create_schema(con)
+    return con
+
+
+class StoreWriter:
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.con = connect_writer(self.path)
+
+    # -- runs -----------------------------------------------------------------------------------------
+    def run_status(self, run_id: str) -> str | None:
+        row = self.con.execute("SELECT status FROM runs WHERE run_id = ?", [run_id]).fetchone()
+        return row[0] if row else None
+
+    def start_run(self, run_id: str, *, study: str, kind: str, model: str, weights_sha256: str, engine: str,
+                  engine_dtype: str, device: str, versions: dict, config: dict) -> None:
+        """Insert the run as 'running', or mark an existing (interrupted/failed) run 'running' again."""
+        if self.run_status(run_id) is None:
+            self.con.execute(
+                "INSERT INTO runs VALUES (?, ?, ?, ?, 'running', ?, ?, ?, ?, ?, ?, ?)",
+                [run_id, study, kind, datetime.now(timezone.utc).replace(tzinfo=None), model, weights_sha256,
+                 engine, engine_dtype, device, json.dumps(versions), json.dumps(config, default=str)],
+            )
+        else:
+            self.set_status(run_id, "running")
+
+    def set_status(self, run_id: str, status: str) -> None:
+        self.con.execute("UPDATE runs SET status = ? WHERE run_id = ?", [status, run_id])
+
+    def done_chunks(self, run_id: str) -> set[int]:
+        return {r[0] for r in self.con.execute("SELECT chunk FROM chunks_done WHERE run_id = ?", [run_id]).fetchall()}
+
+    # -- data -----------------------------------------------------------------------------------------
+    def write_chunk(self, run_id: str, chunk: int, *, sequences: pa.Table, tokens: pa.Table, scores: pa.Table,
+                    seconds: float, skipped: list[tuple[str, str]] = (), metrics: list[tuple] = ()) -> None:
+        """Insert one unit of work atomically; `metrics` are (step, name, value) rows for train_metrics."""
+        con = self.con
+        con.execute("BEGIN TRANSACTION")
+        try:
+            for name, tbl in (("sequences", sequences), ("tokens", tokens), ("scores", scores)):
+                if tbl.num_rows:
+                    con.register("_chunk_tbl", tbl)
+                    cols = ", ".join(tbl.column_names)
+                    con.execute(f"INSERT INTO {name} ({cols}) SELECT {cols} FROM _chunk_tbl")
+                    con.unregister("_chunk_tbl")
+            if skipped:
+                con.executemany("INSERT INTO skipped_prompts VALUES (?, ?, ?)", [(run_id, p, r) for p, r in skipped])
+            if metrics:
+                con.executemany("INSERT INTO train_metrics VALUES (?, ?, ?, ?)", [(run_id, *m) for m in metrics])
+            con.execute(
+                "INSERT INTO chunks_done VALUES (?, ?, ?, ?, ?, ?)",
+                [run_id, chunk, sequences.num_rows, tokens.num_rows, seconds,
+                 datetime.now(timezone.utc).replace(tzinfo=None)],
+            )
+            con.execute("COMMIT")
+        except BaseException:
+            con.execute("ROLLBACK")
+            raise
+
+    def close(self) -> None:
+        self.con.close()
