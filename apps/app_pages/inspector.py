@@ -1,0 +1,211 @@
+"""Token inspector: one sequence token by token, coloured by |Δp|, ratio or mask decision.
+
+Pick a run and a sequence (a training step narrows the list), or jump to the worst sequences by
+max |Δp|. Below the coloured response: the detail of one token (its text, μ, π for every scorer,
+entropy, top-K) and the sequence's cumulative log-ratio track.
+"""
+
+import lab_ui
+import pandas as pd
+import streamlit as st
+
+from mismatch_lab.analysis import browse
+
+BY_RUN, WORST = "By run and sequence", "Worst sequences by max |Δp|"
+ANY = "any scorer"
+ALL_STEPS = "all steps"
+
+st.title("Token inspector")
+lab_ui.store()
+runs = lab_ui.query(browse.list_runs)
+runs = runs[runs["n_tokens"] > 0]
+if runs.empty:
+    st.info("This study has no tokens yet: nothing to inspect.")
+    st.stop()
+run_labels = {r.run_id: f"{r.run_id} · {r.kind} · {r.rollout} · {r.n_sequences} sequences" for r in runs.itertuples()}
+
+# ---- which sequence -----------------------------------------------------------------------------------
+mode = st.radio("Pick a sequence", [BY_RUN, WORST], horizontal=True, key="insp_mode", persist_state="session")
+if mode == WORST:
+    scorers_all = sorted({s for r in runs.itertuples() for s in r.scorers.split(", ") if s})
+    left, right = st.columns([1, 3])
+    which = left.selectbox("|Δp| under scorer", [ANY] + scorers_all, key="insp_worst_scorer", persist_state="session")
+    worst = lab_ui.worst_of(None if which == ANY else which)
+    if worst.empty:
+        st.info("No scored tokens yet, so there is no |Δp| to rank sequences by.")
+        st.stop()
+    pick = right.selectbox(
+        f"Worst {lab_ui.WORST_N} sequences",
+        range(len(worst)),
+        format_func=lambda i: (
+            f"{worst.run_id[i]} · seq {worst.seq_id[i]} · max |Δp| {worst.max_abs_dp[i]:.4f} "
+            f"at pos {worst.worst_pos[i]} ({worst.worst_scorer[i]})"
+        ),
+        key="insp_worst_pick",
+    )
+    run_id, seq_id = worst.run_id[pick], int(worst.seq_id[pick])
+else:
+    cols = st.columns([2, 1, 2])
+    lab_ui.keep_valid("insp_run", list(run_labels))
+    run_id = cols[0].selectbox(
+        "Run", list(run_labels), format_func=run_labels.get, key="insp_run", persist_state="session"
+    )
+    step = None
+    steps = lab_ui.query(browse.training_steps, run_id)
+    if not steps.empty:
+        options = [ALL_STEPS] + steps["step"].tolist()
+        lab_ui.keep_valid("insp_step", options)
+        chosen = cols[1].selectbox("Training step", options, key="insp_step", persist_state="session")
+        step = None if chosen == ALL_STEPS else int(chosen)
+    seqs = lab_ui.query(browse.list_sequences, run_id, step=step)
+    if seqs.empty:
+        st.info("This run has no sequences yet.")
+        st.stop()
+    by_id = seqs.set_index("seq_id")
+    lab_ui.keep_valid("insp_seq", by_id.index.tolist())
+    seq_id = int(
+        cols[2].selectbox(
+            "Sequence",
+            by_id.index.tolist(),
+            key="insp_seq",
+            persist_state="session",
+            format_func=lambda s: f"seq {s} · prompt {by_id.prompt_id[s]} · {by_id.response_len[s]} tokens",
+        )
+    )
+
+seq = lab_ui.query(browse.list_sequences, run_id).set_index("seq_id").loc[seq_id]
+tokens = lab_ui.query(browse.sequence_tokens, run_id, seq_id)
+
+# ---- the sequence ---------------------------------------------------------------------------------------
+st.subheader(f"{run_id} · sequence {seq_id}")
+m = st.columns(5)
+m[0].metric("Tokens", int(tokens["pos"].nunique()))
+m[1].metric("Prompt", str(seq.prompt_id))
+m[2].metric("Finish", str(seq.finish_reason))
+if pd.isna(seq.reward):
+    m[3].metric("Reward", "—", help="No reward recorded: collect runs have none.")
+else:
+    m[3].metric("Reward", f"{seq.reward:.3g}")
+m[4].metric(
+    "Advantage",
+    "—" if pd.isna(seq.advantage) else f"{seq.advantage:.3g}",
+    help="PPO's clip and DPPO's mask act in the advantage's direction; without one, on either side.",
+)
+if pd.isna(seq.reward):
+    st.caption("This sequence carries no reward or advantage (collect runs have none).")
+
+scorers = sorted(tokens["scorer"].dropna().unique())
+if not scorers:
+    st.info("No scorer has scored this sequence yet: only the rollout's μ is known.")
+    st.dataframe(tokens[["pos", "token_text", "category", "mu"]], hide_index=True)
+    st.stop()
+
+c1, c2 = st.columns([1, 2])
+lab_ui.keep_valid("insp_scorer", scorers)
+scorer = c1.selectbox("Scorer (π)", scorers, key="insp_scorer", persist_state="session")
+colour = c2.radio("Colour tokens by", lab_ui.COLOUR_MODES, horizontal=True, key="insp_colour", persist_state="session")
+view = tokens[tokens["scorer"] == scorer].reset_index(drop=True)
+st.html(lab_ui.token_html(view, colour))
+st.caption(lab_ui.colour_legend(colour) + " Hover a token for its numbers.")
+
+n = len(view)
+s = st.columns(4)
+s[0].metric("max |Δp|", f"{view['abs_dp'].max():.4f}")
+s[1].metric(
+    "PPO clipped",
+    f"{int(view['ppo_clipped'].fillna(False).sum())} / {n}",
+    help=f"r = π/μ outside [1 − {browse.EPS_LOW}, 1 + {browse.EPS_HIGH}] (in the advantage's direction "
+    f"when there is one), of this sequence's {n} tokens.",
+)
+s[2].metric(
+    "DPPO masked",
+    f"{int(view['dppo_masked'].fillna(False).sum())} / {n}",
+    help=f"|π − μ| > {browse.DELTA_TV} in the advantage's direction, of {n} tokens.",
+)
+s[3].metric(
+    "Non-finite π",
+    f"{int(view['nonfinite'].fillna(False).sum())} / {n}",
+    help="Stored as NULL, excluded from the ratio and masks, never replaced by zero.",
+)
+
+# ---- one token ------------------------------------------------------------------------------------------
+st.subheader("Token detail")
+positions = view["pos"].tolist()
+worst_pos = int(view.loc[view["abs_dp"].idxmax(), "pos"]) if view["abs_dp"].notna().any() else positions[0]
+text_of = dict(zip(view["pos"], view["token_text"]))
+pos = st.selectbox(
+    "Token (defaults to the largest |Δp|)",
+    positions,
+    index=positions.index(worst_pos),
+    format_func=lambda p: f"pos {p}: {text_of[p]!r}",
+    key=f"insp_pos:{run_id}:{seq_id}:{scorer}",
+)
+here = tokens[tokens["pos"] == pos]
+first = here.iloc[0]
+d = st.columns(4)
+d[0].markdown(f"**Text** `{first.token_text!r}`")
+d[1].markdown(f"**Token id** {first.token_id} · **category** {first.category}")
+d[2].markdown(f"**μ** (rollout) {first.mu:.6g}")
+d[3].markdown(f"**log μ** {first.logp_rollout:.6g}")
+st.dataframe(
+    here[
+        [
+            "scorer",
+            "pi",
+            "logp",
+            "delta_logp",
+            "ratio",
+            "abs_dp",
+            "entropy",
+            "tv_exact_vs_ref",
+            "kl_exact_vs_ref",
+            "ppo_clipped",
+            "dppo_masked",
+            "nonfinite",
+        ]
+    ],
+    hide_index=True,
+    column_config={
+        "pi": st.column_config.NumberColumn("π", format="%.6g"),
+        "logp": st.column_config.NumberColumn("log π", format="%.6g"),
+        "delta_logp": st.column_config.NumberColumn("Δlogp", format="%.4g"),
+        "ratio": st.column_config.NumberColumn("r = π/μ", format="%.4g"),
+        "abs_dp": st.column_config.NumberColumn("|Δp|", format="%.4g"),
+        "entropy": st.column_config.NumberColumn("entropy (nats)", format="%.4g"),
+        "tv_exact_vs_ref": st.column_config.NumberColumn("TV vs hf:fp32 (full vocab)", format="%.4g"),
+        "kl_exact_vs_ref": st.column_config.NumberColumn("KL(hf:fp32 ‖ π) nats", format="%.4g"),
+    },
+)
+
+topk = lab_ui.query(browse.token_topk, run_id, seq_id, int(pos))
+if topk.empty:
+    st.info("No top-K stored for this token: the run was collected without top-K.")
+else:
+    lists = list(dict.fromkeys(topk["list"]))
+    tabs = st.tabs([f"top-K of {name}" for name in lists])
+    for tab, name in zip(tabs, lists):
+        part = topk[topk["list"] == name]
+        table = part.pivot_table(index=["rank", "token_id"], columns="by", values="p", sort=False).reset_index()
+        table.insert(2, "text", table["token_id"].map(dict(zip(part["token_id"], part["token_text"]))))
+        table = table.rename(columns={"rollout": "μ (rollout)"} | {s: f"π {s}" for s in scorers})
+        tab.dataframe(table, hide_index=True)
+        if name == "rollout" and len(part["by"].unique()) == 1:
+            tab.caption("The scorers' probabilities at the rollout's top-K ids are not stored in this study.")
+
+# ---- the whole sequence ---------------------------------------------------------------------------------
+st.subheader("Cumulative log-ratio")
+st.caption(
+    "Σ over positions ≤ pos of log π − log μ: the log of the sequence-level importance ratio up to pos "
+    "(token-level sum; non-finite π skipped)."
+)
+lab_ui.line_chart(
+    tokens.dropna(subset=["scorer"]),
+    "pos",
+    "cum_log_ratio",
+    "scorer",
+    x_title="position in the response",
+    y_title="Σ log π/μ",
+)
+
+with st.expander("All tokens of this sequence"):
+    st.dataframe(view.drop(columns=["scorer"]), hide_index=True)

@@ -1,0 +1,62 @@
+"""Overview: the studies the app can open, the runs of the open one, and its precision table."""
+
+import lab_ui
+import streamlit as st
+
+from mismatch_lab.analysis import browse
+
+st.title("Overview")
+
+st.subheader("Studies")
+st.dataframe(
+    lab_ui.studies_table(), hide_index=True, column_config={"open": st.column_config.CheckboxColumn("open now")}
+)
+st.caption("Pick another study in the sidebar.")
+
+path = lab_ui.store()
+runs = lab_ui.query(browse.list_runs)
+st.subheader("Runs")
+if runs.empty:
+    st.info("This study has no runs yet. Collect one with `mismatch-lab collect --study studies/<name>/study.toml`.")
+    st.stop()
+
+m = st.columns(4)
+m[0].metric("Runs", len(runs), help="collect and train runs")
+m[1].metric("Sequences", f"{int(runs['n_sequences'].sum()):,}")
+m[2].metric("Tokens", f"{int(runs['n_tokens'].sum()):,}", help="generated tokens (one per response position)")
+m[3].metric(
+    "Non-finite scores",
+    f"{int(runs['n_nonfinite'].sum()):,}",
+    help=f"of {int(runs['n_scores'].sum()):,} token × scorer rows; stored as NULL, never zeroed",
+)
+st.dataframe(
+    runs.drop(columns=["engine", "engine_dtype"]),
+    hide_index=True,
+    column_config={
+        "weights_sha256": st.column_config.TextColumn("weights sha256", help="hash of the checkpoint both sides load"),
+        "rollout": st.column_config.TextColumn("rollout (μ)", help="'<engine>:<dtype>' of the sampling engine"),
+        "scorers": st.column_config.TextColumn("scorers (π)", help="trainer-side scorers '<engine>:<dtype>'"),
+        "n_scores": st.column_config.NumberColumn("token × scorer rows"),
+        "n_rewarded": st.column_config.NumberColumn("rewarded sequences"),
+        "steps": st.column_config.NumberColumn("training steps"),
+    },
+)
+if runs["status"].eq("running").any():
+    st.caption(
+        f"Some runs are still running: the counts grow when the data is re-read (after "
+        f"{lab_ui.TTL_S // 60} min, or at once with *Reload data*)."
+    )
+
+st.subheader("Precision table")
+st.caption(
+    "One row per (rollout μ, scorer π) pair. Token-level columns average over finite tokens "
+    "(`n_finite`; non-finite ones counted in `n_nonfinite`), sequence-level `seq_*` columns over sequences "
+    "without a non-finite token (`seq_n`). |dp| is in probability space, dlogp = log π − log μ in nats; "
+    "kl_k1/k2/k3 are Schulman's estimators of KL(μ ‖ π) from the sampled token; "
+    "definitions in `mismatch_lab/analysis/definitions.py`."
+)
+table = lab_ui.precision_of()
+if table.empty:
+    st.info("No scored tokens yet: the precision table needs a rollout and at least one scorer.")
+else:
+    st.dataframe(table, hide_index=True)

@@ -1,0 +1,69 @@
+"""Training: curves per objective from `train_metrics`, and a step picker that opens a step's sequences."""
+
+import lab_ui
+import streamlit as st
+
+from mismatch_lab.analysis import browse, violations
+
+st.title("Training")
+lab_ui.store()
+train = lab_ui.query(browse.train_runs)
+if train.empty:
+    st.info(
+        "This study has no training runs. Start one with "
+        "`mismatch-lab train --study studies/<name>/study.toml --loss dppo_binary_tv`."
+    )
+    st.stop()
+
+# Label runs by their objective; the run id is added only where two runs share an objective.
+dup = train["objective"].duplicated(keep=False)
+labels = {r.run_id: f"{r.objective} ({r.run_id})" if d else r.objective for r, d in zip(train.itertuples(), dup)}
+
+# ---- curves -----------------------------------------------------------------------------------------------
+st.subheader("Curves per objective")
+chosen_runs = st.multiselect("Runs", list(labels), default=list(labels), format_func=labels.get, key="train_runs")
+series = lab_ui.query(violations.train_series)
+series = series[series["run_id"].isin(chosen_runs)]
+if series.empty:
+    st.info("The chosen training runs have logged no metrics yet.")
+else:
+    names = sorted(series["name"].unique())
+    preferred = [n for n in ("mismatch/abs_dp/mean", "mask/negative_adv/frac", "reward/mean") if n in names]
+    picked = st.multiselect(
+        "Metrics (slash paths ending in the reduction)", names, default=preferred or names[:2], key="train_metrics"
+    )
+    grid = st.columns(2)
+    for i, name in enumerate(picked):
+        part = series[series["name"] == name].assign(objective=lambda d: d["run_id"].map(labels))
+        grid[i % 2].markdown(f"**{name}**")
+        lab_ui.line_chart(part, "step", "value", "objective", x_title="step", y_title=name, where=grid[i % 2])
+
+# ---- one step -------------------------------------------------------------------------------------------
+st.subheader("Sequences of a step")
+lab_ui.keep_valid("train_step_run", list(labels))
+run_id = st.selectbox("Run", list(labels), format_func=labels.get, key="train_step_run")
+steps = lab_ui.query(browse.training_steps, run_id)
+if steps.empty:
+    st.info("This run has stored no sequences yet.")
+    st.stop()
+step_list = steps["step"].tolist()
+step = (
+    st.select_slider("Step", step_list, value=step_list[-1], key=f"train_step:{run_id}")
+    if len(step_list) > 1
+    else step_list[0]
+)
+row = steps[steps["step"] == step].iloc[0]
+c = st.columns(3)
+c[0].metric("Sequences", int(row.n_sequences))
+c[1].metric("Tokens", int(row.n_tokens))
+if row.n_rewarded:
+    c[2].metric("Mean reward", f"{row.mean_reward:.3g}", help=f"over the {int(row.n_rewarded)} rewarded sequences")
+else:
+    c[2].metric("Mean reward", "—", help="no rewards stored for this step")
+    st.caption("No rewards were stored for this step.")
+st.dataframe(lab_ui.query(browse.list_sequences, run_id, step=int(step)), hide_index=True)
+
+if st.button(f"Open step {step} in the token inspector", type="primary"):
+    st.session_state.update(insp_mode="By run and sequence", insp_run=run_id, insp_step=int(step))
+    st.session_state.pop("insp_seq", None)
+    st.switch_page("app_pages/inspector.py")

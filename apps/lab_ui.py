@@ -1,0 +1,317 @@
+"""Shared plumbing of the app's pages: which store is open, the cached connection and queries, token colours.
+
+Pages call `store()` for the open store's path (it stops the page with a plain message when there is
+none) and `query(fn, ...)` to run a `mismatch_lab.analysis` function on it through the cache; they
+never write SQL. The connection is a `st.cache_resource` (one per store path); query results are
+`st.cache_data`; both expire after TTL_S, so a store that `collect` is still writing is re-read (a
+fresh snapshot) at most that long after, or at once with *Reload data*. Each query runs on its own
+cursor, because Streamlit serves every browser session from its own thread and one DuckDB connection
+must not be shared across threads.
+
+The heavy analyses (precision, volatility, clipping, worst sequences: ~1-3 s each on a 1M-token store
+with 2 cores) are named once below (`precision_of`, `volatility_of`, ...) and computed for the pages'
+default settings by a background warm-up thread as soon as a store is opened, so the first visit of
+a page usually finds them cached. MISMATCH_LAB_APP_WARMUP=0 turns the warm-up off (the benchmark's
+cold measurements).
+"""
+
+from __future__ import annotations
+
+import argparse
+import html
+import importlib
+import math
+import os
+import sys
+import threading
+from pathlib import Path
+
+import altair as alt
+import pandas as pd
+import streamlit as st
+
+from mismatch_lab.analysis import browse, clipping, definitions, precision, volatility
+from mismatch_lab.errors import UserError
+from mismatch_lab.store.reader import open_store
+
+APP_DIR = Path(__file__).resolve().parent
+REPO = APP_DIR.parent
+ENV_VAR = "MISMATCH_LAB_STUDY"  # set by `mismatch-lab app --study ...`; `-- --study ...` works too
+TTL_S = 600  # a store is re-read (a new snapshot if a writer holds it) at most this long after it changed
+WORST_N = 50  # the inspector's list of worst sequences
+TOP_CLIPPED_MAX = 100  # the Clipping page's longest list of token strings (one query serves every shorter one)
+
+
+def study_from_args(argv: list[str] | None = None) -> str | None:
+    """The store named at start: `streamlit run apps/streamlit_app.py -- --study X`, or $MISMATCH_LAB_STUDY."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--study")
+    args, _ = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    return args.study or os.environ.get(ENV_VAR) or None
+
+
+def candidate_stores() -> list[str]:
+    """The store given at start (first) and every study folder with data under ./studies and the repo's studies/."""
+    found: list[str] = []
+    given = study_from_args()
+    if given:
+        found.append(str(Path(given).resolve()))
+    for root in dict.fromkeys([Path.cwd() / "studies", REPO / "studies"]):
+        found += [str(p.resolve()) for p in browse.find_stores(root)]
+    return list(dict.fromkeys(found))
+
+
+def store_label(path: str) -> str:
+    p = Path(path)
+    try:
+        return str(p.relative_to(Path.cwd()))
+    except ValueError:
+        return str(p)
+
+
+def sidebar_store_picker() -> None:
+    """The study selector and the reload button in the sidebar (rendered once, by the entry file)."""
+    options = candidate_stores()
+    if not options:
+        st.session_state.pop("store_path", None)
+        return
+    if st.session_state.get("store_path") not in options:
+        st.session_state["store_path"] = options[0]
+    st.sidebar.selectbox(
+        "Study",
+        options,
+        key="store_path",
+        format_func=store_label,
+        help="A study folder (its results/ Parquet), a .duckdb file or a Parquet folder.",
+    )
+    if st.sidebar.button("Reload data", help=f"Data is re-read by itself {TTL_S // 60} min after it was read."):
+        st.cache_data.clear()
+        st.cache_resource.clear()
+
+
+@st.cache_resource(ttl=TTL_S, show_spinner="Opening the store…")
+def _connection(path: str):
+    return open_store(path)
+
+
+def store() -> str:
+    """Path of the open store; stops the page with a plain message when there is none or it cannot be read."""
+    path = st.session_state.get("store_path")
+    if not path:
+        st.info(
+            "No study to show. Start the app with `mismatch-lab app --study studies/<name>` "
+            "(a study folder, a `.duckdb` file or a folder of Parquet files), "
+            "or collect one first with `mismatch-lab collect`."
+        )
+        st.stop()
+    try:
+        _connection(path)
+    except UserError as exc:
+        st.error(f"Cannot open `{store_label(path)}`: {exc}")
+        st.stop()
+    if os.environ.get("MISMATCH_LAB_APP_WARMUP", "1") != "0":
+        _warm_up(path)
+    return path
+
+
+@st.cache_data(ttl=TTL_S, show_spinner="Querying…", max_entries=512)
+def _cached(path: str, module: str, name: str, args: tuple, kwargs: tuple):
+    fn = getattr(importlib.import_module(module), name)
+    with _connection(path).cursor() as cur:
+        return fn(cur, *args, **dict(kwargs))
+
+
+def _call(path: str, fn, *args, **kwargs):
+    return _cached(path, fn.__module__, fn.__name__, args, tuple(sorted(kwargs.items())))
+
+
+def query(fn, *args, **kwargs):
+    """`fn(con, *args, **kwargs)` on the open store, cached by its arguments for TTL_S."""
+    return _call(store(), fn, *args, **kwargs)
+
+
+# --- the heavy analyses, named once so that the warm-up computes exactly what the pages ask for -----------
+
+
+def precision_of(path: str | None = None):
+    return _call(path or store(), precision.precision_table)
+
+
+def volatility_of(
+    rollout: str,
+    scorer: str,
+    buckets: str = "linear",
+    n_buckets: int | None = None,
+    eps_low: float = definitions.EPS_LOW,
+    eps_high: float = definitions.EPS_HIGH,
+    path: str | None = None,
+):
+    n = n_buckets or (definitions.N_LINEAR_BUCKETS if buckets == "linear" else definitions.N_LOG_BUCKETS)
+    return _call(
+        path or store(),
+        volatility.volatility_table,
+        rollout=rollout,
+        scorer=scorer,
+        buckets=buckets,
+        n_buckets=int(n),
+        eps_low=float(eps_low),
+        eps_high=float(eps_high),
+    )
+
+
+def clipping_of(rollout: str, scorer: str, path: str | None = None):
+    return _call(path or store(), clipping.clipping_by_category, rollout=rollout, scorer=scorer)
+
+
+def top_clipped_of(rollout: str, scorer: str, path: str | None = None):
+    """The TOP_CLIPPED_MAX most clipped token strings of a pair (ranked; the page shows the first n)."""
+    return _call(path or store(), clipping.top_clipped_tokens, TOP_CLIPPED_MAX, rollout=rollout, scorer=scorer)
+
+
+def worst_of(scorer: str | None = None, path: str | None = None):
+    return _call(path or store(), browse.worst_sequences, scorer=scorer, n=WORST_N)
+
+
+def _warm(path: str) -> None:
+    """Compute what the pages show first, most likely first: the overview, then each pair's pages."""
+    _call(path, browse.list_runs)
+    precision_of(path)
+    pairs = _call(path, browse.list_pairs)
+    _call(path, browse.list_categories)
+    for i, pair in enumerate(pairs.itertuples()):
+        volatility_of(pair.rollout, pair.scorer, path=path)
+        clipping_of(pair.rollout, pair.scorer, path=path)
+        top_clipped_of(pair.rollout, pair.scorer, path=path)
+        if i == 0:
+            worst_of(path=path)
+    for pair in pairs.itertuples():  # the other bucket scale, then the worst sequences under each scorer
+        volatility_of(pair.rollout, pair.scorer, "log", path=path)
+    for scorer in sorted(set(pairs["scorer"])):
+        worst_of(scorer, path=path)
+
+
+@st.cache_resource(ttl=TTL_S, show_spinner=False)
+def _warm_up(path: str) -> threading.Thread:
+    """Start the warm-up of one store once per TTL (the thread is the cached resource)."""
+    thread = threading.Thread(target=_warm, args=(path,), name=f"mismatch-lab warm-up {path}", daemon=True)
+    thread.start()
+    return thread
+
+
+def keep_valid(key: str, options: list) -> None:
+    """Drop a remembered widget value that is no longer among its options (another run, study or step)."""
+    if key in st.session_state and st.session_state[key] not in options:
+        del st.session_state[key]
+
+
+def studies_table() -> pd.DataFrame:
+    """The study folders the app can open, with what each holds."""
+    rows = []
+    for path in candidate_stores():
+        p = Path(path)
+        d = browse.study_dir(p)
+        rows.append(
+            {
+                "study": d.name,
+                "path": store_label(path),
+                "parquet tables": len(list((d / "results").glob("*.parquet")))
+                if (d / "results").is_dir()
+                else len(list(p.glob("*.parquet")))
+                if p.is_dir()
+                else 0,
+                "duckdb files": len(list(d.glob("*.duckdb"))),
+                "figures": len(browse.study_figures(p)),
+                "open": path == st.session_state.get("store_path"),
+            }
+        )
+    return pd.DataFrame(rows)
+
+
+def line_chart(data: pd.DataFrame, x: str, y: str, color: str, *, x_title: str, y_title: str, where=st) -> None:
+    """A line chart of long-format data over an integer x (step, position), one line per value of `color`.
+
+    Altair directly, not `st.line_chart`: labels such as 'hf:fp32' would be read as Altair shorthand
+    once pivoted into column names.
+    """
+    chart = (
+        alt.Chart(data[[x, y, color]])
+        .mark_line(point=len(data) <= 60)
+        .encode(
+            x=alt.X(f"{x}:Q", title=x_title, axis=alt.Axis(format="d", tickMinStep=1)),  # steps and positions
+            y=alt.Y(f"{y}:Q", title=y_title),
+            color=alt.Color(f"{color}:N", title=color),
+            tooltip=[alt.Tooltip(f"{x}:Q"), alt.Tooltip(f"{y}:Q", format=".4g"), alt.Tooltip(f"{color}:N")],
+        )
+    )
+    where.altair_chart(chart, width="stretch")
+
+
+# --- token colours for the inspector ------------------------------------------------------------------
+
+COLOUR_MODES = ("|Δp|", "ratio", "mask decision")
+MASK_COLOURS = {  # key -> (legend, colour name, rgb)
+    "kept": ("kept by both", "no colour", None),
+    "ppo": ("PPO clips only", "orange", (245, 158, 11)),
+    "dppo": ("DPPO masks only", "purple", (139, 92, 246)),
+    "both": ("PPO clips and DPPO masks", "red", (220, 38, 38)),
+}
+
+
+def _mask_key(row) -> str:
+    ppo, dppo = bool(row.ppo_clipped), bool(row.dppo_masked)
+    return "both" if ppo and dppo else "ppo" if ppo else "dppo" if dppo else "kept"
+
+
+def _background(row, mode: str) -> str:
+    if row.nonfinite or pd.isna(row.logp):
+        return "background: repeating-linear-gradient(45deg,#ddd,#ddd 3px,#fff 3px,#fff 6px);"
+    if mode == "|Δp|":
+        # saturates at DPPO's δ so colours compare across sequences; sqrt makes small bf16 noise visible
+        a = math.sqrt(min(row.abs_dp / browse.DELTA_TV, 1.0))
+        return f"background: rgba(220,38,38,{a:.3f});"
+    if mode == "ratio":
+        lr = row.delta_logp
+        a = min(abs(lr) / math.log(1 + browse.EPS_HIGH), 1.0)  # saturates at the clip-higher bound
+        rgb = "220,38,38" if lr > 0 else "37,99,235"
+        return f"background: rgba({rgb},{a:.3f});"
+    rgb = MASK_COLOURS[_mask_key(row)][2]
+    return f"background: rgb{rgb};color:white;" if rgb else ""
+
+
+def token_html(tokens: pd.DataFrame, mode: str) -> str:
+    """The response as HTML spans coloured by |Δp|, ratio or mask decision, each with a tooltip of its numbers."""
+    spans = []
+    for row in tokens.itertuples(index=False):
+        text = html.escape(row.token_text or "∅").replace("\n", "↵<br>")
+        tip = f"pos {row.pos} · {row.token_text!r} · μ={row.mu:.4g}" + (
+            "  π=non-finite" if pd.isna(row.logp) else f" · π={row.pi:.4g} · r={row.ratio:.4g} · |Δp|={row.abs_dp:.3g}"
+        )
+        spans.append(
+            f'<span title="{html.escape(tip)}" style="{_background(row, mode)}'
+            f'border-radius:3px;padding:0 1px;">{text}</span>'
+        )
+    return (
+        '<div style="font-family:ui-monospace,monospace;white-space:pre-wrap;line-height:1.9;'
+        'border:1px solid #ddd;border-radius:6px;padding:10px;">' + "".join(spans) + "</div>"
+    )
+
+
+def colour_legend(mode: str) -> str:
+    if mode == "|Δp|":
+        return (
+            f"Red intensity = √(|π − μ| / {browse.DELTA_TV}), saturating at DPPO's δ = {browse.DELTA_TV}. "
+            "Hatched grey: non-finite π."
+        )
+    if mode == "ratio":
+        return (
+            f"Red: r = π/μ > 1, blue: r < 1; full colour at |log r| ≥ log(1 + {browse.EPS_HIGH}). "
+            "Hatched grey: non-finite π."
+        )
+    parts = [f"{name} = {label}" for label, name, _ in MASK_COLOURS.values()]
+    return (
+        f"PPO clips r = π/μ outside [1 − {browse.EPS_LOW}, 1 + {browse.EPS_HIGH}], DPPO masks "
+        f"|π − μ| > {browse.DELTA_TV}; both only in the advantage's direction when the sequence has one. "
+        + "Colours: "
+        + "; ".join(parts)
+        + "; hatched grey = non-finite π."
+    )

@@ -1,0 +1,41 @@
+"""mismatch_lab app: browse a study's training-inference mismatch down to a single token.
+
+    mismatch-lab app --study studies/precision-sweep          # the usual way
+    streamlit run apps/streamlit_app.py -- --study studies/precision-sweep
+
+`--study` takes a study folder (reads its `results/` Parquet), a `.duckdb` file (read-only; a snapshot
+when a writer holds it, so a running collect is never blocked) or a folder of Parquet files. Without
+it the sidebar offers every study under `studies/`. Pages hold UI only; queries come from
+`mismatch_lab.analysis` through the caches of `apps/lab_ui.py`.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+APP_DIR = Path(__file__).resolve().parent
+if str(APP_DIR) not in sys.path:  # `streamlit run` adds it; AppTest and other runners may not
+    sys.path.insert(0, str(APP_DIR))
+
+import lab_ui
+import streamlit as st
+
+st.set_page_config(page_title="mismatch_lab", page_icon=":material/biotech:", layout="wide")
+
+PAGES = {
+    "Study": [
+        st.Page("app_pages/overview.py", title="Overview", icon=":material/table_chart:", default=True),
+        st.Page("app_pages/volatility.py", title="Volatility", icon=":material/show_chart:"),
+        st.Page("app_pages/clipping.py", title="Clipping", icon=":material/content_cut:"),
+    ],
+    "Tokens and training": [
+        st.Page("app_pages/inspector.py", title="Token inspector", icon=":material/manage_search:"),
+        st.Page("app_pages/training.py", title="Training", icon=":material/model_training:"),
+        st.Page("app_pages/figures.py", title="Figures", icon=":material/image:"),
+    ],
+}
+
+page = st.navigation(PAGES)
+lab_ui.sidebar_store_picker()
+page.run()

@@ -1,0 +1,109 @@
+"""Analyses of a store: pure functions, SQL over a read-only DuckDB connection -> pandas DataFrames.
+
+    definitions.py    every definition and default threshold (probability vs log space, KL estimators)
+    relations.py      the joined row sets: (rollout mu, scorer pi) per token; (reference pi, scorer pi)
+    rows.py           the GROUP BY passes over them, each run once (additive sums on a fine grid)
+    volatility.py     r vs binary TV by mu bucket (DPPO Fig. 2)
+    clipping.py       ratio clip vs DPPO masks by category, mu bucket, token string
+    precision.py      |dp|, |dlogp|, KL k1/k2/k3, chi2 per pair; sequence drift; scorer noise floor
+    violations.py     negative-sample tokens outside the trust region; training-run metric series
+    approximation.py  binary / top-K TV against exact full-vocabulary TV
+    command.py        `mismatch-lab analyze`
+
+No torch, no vLLM: analysis runs wherever DuckDB does. `run_all` is what `analyze` prints and writes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import duckdb
+import pandas as pd
+
+from mismatch_lab.analysis import (
+    approximation,
+    clipping,
+    precision,
+    violations,
+    volatility,
+)
+from mismatch_lab.analysis.relations import Filters
+from mismatch_lab.analysis.rows import Rows
+
+ANALYSES = ("volatility", "clipping", "precision", "violations", "approximation")
+
+
+def _stack(parts: list[tuple[str, str, pd.DataFrame]]) -> pd.DataFrame:
+    """Concatenate sub-tables under a discriminator column (name, value) placed first."""
+    # nullable integers, so counts stay integers where another sub-table leaves them empty
+    frames = [
+        df.assign(**{col: val})[[col, *df.columns]].astype({c: "Int64" for c in df.select_dtypes("integer")})
+        for col, val, df in parts
+    ]
+    columns = list(dict.fromkeys(c for f in frames for c in f.columns))
+    filled = [f for f in frames if not f.empty]  # concat of empty frames muddles dtypes
+    out = pd.concat(filled, ignore_index=True) if filled else pd.DataFrame()
+    return out.reindex(columns=columns)
+
+
+def run_all(
+    con: duckdb.DuckDBPyConnection,
+    *,
+    rollout=None,
+    scorer=None,
+    run_ids=None,
+    top_n: int = 30,
+    progress: Callable[[str, float], None] | None = None,
+) -> dict[str, pd.DataFrame]:
+    """Every analysis, one long-form DataFrame per key of ANALYSES:
+
+    * volatility:    volatility_table with buckets 'linear' and 'log' (column `scale`)
+    * clipping:      column `view` = 'category' | 'mu_bucket' | 'top_token' (clipping_by_category,
+                     clipping_by_bucket, top_clipped_tokens)
+    * precision:     column `comparison` = 'rollout_vs_scorer' (precision_table, one row per pair) |
+                     'scorer_vs_reference' (noise_floor; `reference` names the reference scorer)
+    * violations:    column `source` = 'tokens' (violations_table) | 'train_metrics' (train_series)
+    * approximation: approximation_table
+    The store is joined once (rows.Rows, materialized) and every analysis reads that row set.
+    `progress(name, seconds since the start)` is called after the join and after each analysis."""
+    t0 = time.perf_counter()
+    with Rows(con, Filters.make(rollout, scorer, run_ids), materialize=True) as rows:
+        if progress is not None:
+            progress("join", time.perf_counter() - t0)
+        r = {"_rows": rows}
+        steps = {
+            "volatility": lambda: _stack(
+                [("scale", s, volatility.volatility_table(con, buckets=s, **r).drop(columns="scale"))
+                 for s in ("linear", "log")]
+            ),
+            "clipping": lambda: _stack(
+                [
+                    ("view", "category", clipping.clipping_by_category(con, **r)),
+                    ("view", "mu_bucket", clipping.clipping_by_bucket(con, **r)),
+                    ("view", "top_token", clipping.top_clipped_tokens(con, top_n, **r)),
+                ]
+            ),
+            "precision": lambda: _stack(
+                [
+                    ("comparison", "rollout_vs_scorer", precision.precision_table(con, **r)),
+                    ("comparison", "scorer_vs_reference", precision.noise_floor(con, **r)),
+                ]
+            ),
+            "violations": lambda: _stack(
+                [
+                    ("source", "tokens", violations.violations_table(con, **r)),
+                    ("source", "train_metrics", violations.train_series(con, run_ids)),
+                ]
+            ),
+            "approximation": lambda: approximation.approximation_table(con, **r),
+        }
+        out = {}
+        for name, step in steps.items():
+            out[name] = step()
+            if progress is not None:
+                progress(name, time.perf_counter() - t0)
+    return out
+
+
+__all__ = ["ANALYSES", "run_all"]

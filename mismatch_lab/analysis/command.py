@@ -1,0 +1,119 @@
+"""`mismatch-lab analyze`: print every analysis of a store and write them as one JSON document.
+
+    mismatch-lab analyze --db studies/default/default.duckdb --json analysis.json
+    mismatch-lab analyze --db studies/precision-sweep --rollout vllm:bf16 --scorer hf:fp32
+
+--db takes anything `open_store` reads (a .duckdb file, even while a collect writes it; a directory of
+<table>.parquet files; a study directory). The JSON holds one key per analysis (volatility, clipping,
+precision, violations, approximation), each a list of row objects; NaN and +-inf become null. Every
+key is defined in docs/analysis.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from mismatch_lab.errors import UserError
+
+# The column that splits each analysis into its sub-tables for printing (see run_all).
+SPLIT = {"volatility": "scale", "clipping": "view", "precision": "comparison", "violations": "source"}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--db", required=True, metavar="PATH",
+                        help="the store: a .duckdb file, a directory of <table>.parquet files, or a study directory")
+    parser.add_argument("--json", metavar="FILE", help="also write every table to FILE as JSON (NaN -> null)")
+    parser.add_argument("--rollout", action="append", metavar="ENGINE:DTYPE",
+                        help="only this rollout, e.g. vllm:bf16 (repeatable; default: all)")
+    parser.add_argument("--scorer", action="append", metavar="ENGINE:DTYPE",
+                        help="only this scorer, e.g. hf:fp32 (repeatable; default: all)")
+    parser.add_argument("--run-id", action="append", dest="run_ids", metavar="RUN_ID",
+                        help="only this run (repeatable; default: all)")
+    parser.add_argument("--top-n", type=int, default=30, help="how many most-clipped token strings to list (default 30)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from mismatch_lab.analysis import run_all
+    from mismatch_lab.store.reader import open_store
+
+    if args.top_n < 1:
+        raise UserError(f"--top-n must be at least 1, got {args.top_n}")
+    json_path = Path(args.json) if args.json else None
+    if json_path is not None and not json_path.parent.exists():
+        raise UserError(f"the folder of --json {json_path} does not exist; create it or pass another path")
+    con = open_store(args.db)
+    try:
+        _check_filters(con, args)
+        t0 = time.perf_counter()
+
+        def progress(name: str, seconds: float) -> None:
+            print(f"analyze: {name} done at {seconds:.1f} s", file=sys.stderr, flush=True)
+
+        tables = run_all(con, rollout=args.rollout, scorer=args.scorer, run_ids=args.run_ids,
+                         top_n=args.top_n, progress=progress)  # fmt: skip
+    finally:
+        con.close()
+    for name, df in tables.items():
+        print_table(name, df)
+    if json_path is not None:
+        json_path.write_text(json.dumps(to_json(tables), indent=1, allow_nan=False) + "\n")
+        print(f"\nwrote {json_path} ({', '.join(f'{k}: {len(v)} rows' for k, v in tables.items())})")
+    print(f"analyze: {time.perf_counter() - t0:.1f} s; definitions and denominators: docs/analysis.md", file=sys.stderr)
+    return 0
+
+
+def _check_filters(con, args) -> None:
+    """A label that matches nothing is a typo, not an empty result: name what exists."""
+    checks = (
+        ("--rollout", args.rollout, "SELECT DISTINCT engine || ':' || engine_dtype FROM runs"),
+        ("--scorer", args.scorer, "SELECT DISTINCT scorer FROM scores"),
+        ("--run-id", args.run_ids, "SELECT DISTINCT run_id FROM runs"),
+    )
+    for flag, wanted, sql in checks:
+        if not wanted:
+            continue
+        have = sorted(str(r[0]) for r in con.execute(sql).fetchall() if r[0] is not None)
+        unknown = [w for w in wanted if w not in have]
+        if unknown:
+            raise UserError(f"{flag} {', '.join(unknown)} is not in this store; it holds: {', '.join(have) or 'nothing'}")
+
+
+def print_table(name: str, df: pd.DataFrame) -> None:
+    split = SPLIT.get(name)
+    parts = [(None, df)] if split is None or df.empty else list(df.groupby(split, sort=False))
+    for key, part in parts:
+        title = name if key is None else f"{name} [{split} = {key}]"
+        print(f"\n== {title} ({len(part)} rows) ==")
+        if part.empty:
+            print("(no rows: the store holds no data for this analysis)")
+            continue
+        shown = part.drop(columns=[split] if key is not None else []).dropna(axis=1, how="all")
+        with pd.option_context("display.max_columns", None, "display.width", 250, "display.max_colwidth", 24):
+            print(shown.to_string(index=False, float_format=lambda v: f"{v:.4g}"))
+
+
+def to_json(tables: dict[str, pd.DataFrame]) -> dict[str, list[dict]]:
+    """{analysis: [row objects]} with NaN/NA/+-inf as None and numpy scalars as Python ones."""
+    return {name: [{k: _plain(v) for k, v in row.items()} for row in df.to_dict("records")] for name, df in tables.items()}
+
+
+def _plain(v):
+    if v is None or v is pd.NA or v is pd.NaT:
+        return None
+    if isinstance(v, (np.integer,)):
+        return int(v)
+    if isinstance(v, (np.bool_, bool)):
+        return bool(v)
+    if isinstance(v, (float, np.floating)):
+        return float(v) if math.isfinite(v) else None
+    if isinstance(v, pd.Timestamp):
+        return v.isoformat()
+    return v

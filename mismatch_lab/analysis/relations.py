@@ -1,0 +1,239 @@
+"""The row sets every analysis starts from, as SQL over the store.
+
+* rollout pairs: one row per (token, scorer): the rollout's log mu (`lmu`) next to a scorer's log pi
+  (`lpi`), joined on (run_id, seq_id, pos); labelled (rollout '<engine>:<dtype>' of the run, scorer).
+* scorer pairs: one row per (token, scorer != reference): the reference scorer's log-prob as `lmu`.
+  Used for the scorer-vs-scorer noise floor and for the approximation quality.
+
+`*_base` gives the joined columns plus `finite` (definitions.finite_sql) and the per-row parts of the
+top-K divergences; `with_metrics` adds the per-token quantities of `definitions.token_metrics_sql` and
+top-K TV/KL (NULL on non-finite rows, so aggregates skip them). Columns the store lacks (an older
+file, a Parquet export without top-K) read as NULL: every analysis degrades to empty values.
+`rows.Rows` runs the passes over these row sets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import duckdb
+import pandas as pd
+
+from mismatch_lab.analysis import definitions as d
+
+
+def as_list(value: str | Iterable[str] | None) -> list[str] | None:
+    """A filter argument (one label, several, or None for all) as a list or None."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return [value]
+    return [str(v) for v in value]
+
+
+def table_columns(con: duckdb.DuckDBPyConnection, table: str) -> set[str]:
+    """Column names of a table or view in the main schema (empty set when it does not exist)."""
+    rows = con.execute(
+        "SELECT column_name FROM information_schema.columns WHERE table_name = ? AND table_schema = 'main'",
+        [table],
+    ).fetchall()
+    return {r[0] for r in rows}
+
+
+def has_tables(con: duckdb.DuckDBPyConnection, *tables: str) -> bool:
+    return all(table_columns(con, t) for t in tables)
+
+
+def col(cols: set[str], alias: str, name: str, sql_type: str) -> str:
+    """`alias.name` if the column exists, else a typed NULL (older stores, partial exports)."""
+    return f"{alias}.{name}" if name in cols else f"NULL::{sql_type}"
+
+
+@dataclass(frozen=True)
+class Filters:
+    """Which rows an analysis reads: rollout labels, scorer labels, run ids (None = all)."""
+
+    rollout: list[str] | None = None
+    scorer: list[str] | None = None
+    run_ids: list[str] | None = None
+
+    @classmethod
+    def make(cls, rollout=None, scorer=None, run_ids=None) -> Filters:
+        return cls(as_list(rollout), as_list(scorer), as_list(run_ids))
+
+    def where(self, rollout_sql: str, scorer_sql: str, run_sql: str) -> tuple[str, dict]:
+        clauses, params = [], {}
+        for name, values, expr in (
+            ("f_rollout", self.rollout, rollout_sql),
+            ("f_scorer", self.scorer, scorer_sql),
+            ("f_run", self.run_ids, run_sql),
+        ):
+            if values is not None:
+                clauses.append(f"list_contains(${name}::VARCHAR[], {expr})")
+                params[name] = values
+        return (" AND ".join(clauses) or "true"), params
+
+
+def advantage_sql(con: duckdb.DuckDBPyConnection, sign_type: str = "VARCHAR") -> str:
+    """Subquery (run_id, seq_id, adv_sign) for the sequences whose advantage has a sign (definitions.
+    ADV_SIGNS); no rows where neither advantage nor reward is stored."""
+    cols = table_columns(con, "sequences")
+    adv, rew = col(cols, "q", "advantage", "DOUBLE"), col(cols, "q", "reward", "DOUBLE")
+    step, prompt = col(cols, "q", "step", "INTEGER"), col(cols, "q", "prompt_id", "VARCHAR")
+    return f"""
+        SELECT run_id, seq_id, (CASE WHEN a > 0 THEN 'positive' ELSE 'negative' END)::{sign_type} AS adv_sign
+        FROM (SELECT q.run_id, q.seq_id,
+                     coalesce({adv}, {rew} - avg({rew}) OVER (PARTITION BY q.run_id, {step}, {prompt})) AS a
+              FROM sequences q)
+        WHERE a > 0 OR a < 0"""
+
+
+def _anchor(kl: bool = True) -> str:
+    """SELECT-list of the anchor-side top-K columns (definitions.topk_anchor_sql) over columns k_ids,
+    k_a (the anchor's top-K ids and log-probs) and token_id."""
+    parts = d.topk_anchor_sql("k_ids", "k_a", "token_id", kl=kl)
+    return ", ".join(f"{expr} AS {name}" for name, expr in parts.items())
+
+
+PAIR_TOPK = list(d.topk_pair_sql("x"))  # k_ok, k_mass_b, k_abs, k_kl
+TOPK_STORED = ["k_extra", "k_mass_a", *PAIR_TOPK]  # what part 3 (definitions.topk_sql) reads
+
+
+def rollout_base(
+    con: duckdb.DuckDBPyConnection,
+    filters: Filters,
+    *,
+    topk: bool = True,
+    advantage: bool = True,
+    enums: dict[str, str] | None = None,
+) -> tuple[str, dict]:
+    """SQL + params: one row per (token, scorer) with rollout, scorer, run_id, seq_id, token_id, category,
+    entropy, tv_exact (scores.tv_exact_vs_ref), lmu, lpi, finite; with topk the top-K parts (TOPK_STORED,
+    mu's recorded top-K against the scorer's logps_at_rollout_topk; else NULL); with advantage adv_sign
+    ('positive' / 'negative' / NULL). `enums` (column -> ENUM type) casts those label columns where the
+    fewest rows pass: the rollout label on `runs`, the category on `tokens`, before the join."""
+    enums = enums or {}
+
+    def cast(expr: str, name: str) -> str:
+        return f"({expr})::{enums[name]}" if name in enums else expr
+
+    tcols, scols = table_columns(con, "tokens"), table_columns(con, "scores")
+    where, params = filters.where("runs.rollout::VARCHAR", "s.scorer", "t.run_id")
+    category = cast(f"coalesce({col(tcols, 'tokens', 'category', 'VARCHAR')}, 'uncategorized')", "category")
+    tok = f"""SELECT run_id, seq_id, pos, logp_rollout, token_id, category {', ' + _anchor() if topk else ''}
+              FROM (SELECT run_id, seq_id, pos, logp_rollout,
+                           {col(tcols, 'tokens', 'token_id', 'INTEGER')} AS token_id,
+                           {category} AS category,
+                           {col(tcols, 'tokens', 'topk_ids_rollout', 'INTEGER[]')} AS k_ids,
+                           {col(tcols, 'tokens', 'topk_logps_rollout', 'DOUBLE[]')} AS k_a
+                    FROM tokens)"""
+    pair = d.topk_pair_sql(col(scols, "s", "logps_at_rollout_topk", "DOUBLE[]"))
+    cols = [
+        f"{col(scols, 's', 'entropy', 'DOUBLE')} AS entropy",
+        f"{col(scols, 's', 'tv_exact_vs_ref', 'DOUBLE')} AS tv_exact",
+    ]
+    cols += [f"t.{c}" for c in ("k_extra", "k_mass_a")] + [f"{e} AS {n}" for n, e in pair.items()] if topk else [
+        f"NULL::{'BOOLEAN' if c in ('k_extra', 'k_ok') else 'DOUBLE'} AS {c}" for c in TOPK_STORED
+    ]
+    adv_join = ""
+    if advantage:
+        sign = advantage_sql(con, enums.get("adv_sign", "VARCHAR"))
+        adv_join = f"LEFT JOIN ({sign}) adv ON adv.run_id = t.run_id AND adv.seq_id = t.seq_id"
+        cols.append("adv.adv_sign")
+    nonfinite = col(scols, "s", "nonfinite", "BOOLEAN")
+    runs = f"SELECT run_id, {cast(d.ROLLOUT_LABEL_SQL, 'rollout')} AS rollout FROM runs"
+    base = f"""
+        SELECT runs.rollout, {cast('s.scorer', 'scorer')} AS scorer, {cast('t.run_id', 'run_id')} AS run_id,
+               t.seq_id, t.token_id, t.category,
+               t.logp_rollout AS lmu, s.logp AS lpi,
+               {d.finite_sql('t.logp_rollout', 's.logp', nonfinite)} AS finite,
+               {', '.join(cols)}
+        FROM ({tok}) t
+        JOIN scores s ON s.run_id = t.run_id AND s.seq_id = t.seq_id AND s.pos = t.pos
+        JOIN ({runs}) runs ON runs.run_id = t.run_id
+        {adv_join}
+        WHERE {where}"""
+    return base, params
+
+
+def scorer_base(
+    con: duckdb.DuckDBPyConnection,
+    filters: Filters,
+    reference: str = d.REFERENCE_SCORER,
+    *,
+    topk: bool = True,
+) -> tuple[str, dict]:
+    """SQL + params: one row per (token, scorer != reference) with rollout, scorer, reference, run_id,
+    seq_id, lmu (the reference's log-prob), lpi (the scorer's), finite, tv_exact (the scorer's stored
+    exact TV against the reference); with topk the top-K TV parts on the reference's own top-K (its topk_ids / topk_logps) against the scorer's
+    logps_at_ref_topk (top-K KL stays NULL: no analysis reads it on scorer pairs)."""
+    tcols, scols = table_columns(con, "tokens"), table_columns(con, "scores")
+    where, params = filters.where(d.ROLLOUT_LABEL_SQL, "s.scorer", "s.run_id")
+    params["reference"] = reference
+    # the sampled token's id comes from `tokens`; that join is only paid for when top-K is wanted
+    tok_join = "JOIN tokens t ON t.run_id = r.run_id AND t.seq_id = r.seq_id AND t.pos = r.pos" if topk else ""
+    ref = f"""SELECT run_id, seq_id, pos, scorer, logp, nonfinite {', ' + _anchor(kl=False) if topk else ''}
+              FROM (SELECT r.run_id, r.seq_id, r.pos, r.scorer, r.logp,
+                           {col(scols, 'r', 'nonfinite', 'BOOLEAN')} AS nonfinite,
+                           {col(tcols, 't', 'token_id', 'INTEGER') if topk else 'NULL::INTEGER'} AS token_id,
+                           {col(scols, 'r', 'topk_ids', 'INTEGER[]')} AS k_ids,
+                           {col(scols, 'r', 'topk_logps', 'DOUBLE[]')} AS k_a
+                    FROM scores r {tok_join}
+                    WHERE r.scorer = $reference
+                      -- only runs another scorer scored too: the rest has no partner and costs a join
+                      AND r.run_id IN (SELECT DISTINCT run_id FROM scores WHERE scorer <> $reference))"""
+    cols = [
+        f"{col(scols, 's', 'tv_exact_vs_ref', 'DOUBLE')} AS tv_exact",
+    ]
+    # only the top-K TV is read on scorer pairs (approximation quality): its KL is left NULL
+    pair = d.topk_pair_sql(col(scols, "s", "logps_at_ref_topk", "DOUBLE[]"), kl=False)
+    cols += [f"ref.{c}" for c in ("k_extra", "k_mass_a")] + [f"{e} AS {n}" for n, e in pair.items()] if topk else [
+        f"NULL::{'BOOLEAN' if c in ('k_extra', 'k_ok') else 'DOUBLE'} AS {c}" for c in TOPK_STORED
+    ]
+    nf_s = col(scols, "s", "nonfinite", "BOOLEAN")
+    nonfinite = f"(coalesce({nf_s}, false) OR coalesce(ref.nonfinite, false))"
+    base = f"""
+        SELECT {d.ROLLOUT_LABEL_SQL} AS rollout, s.scorer AS scorer, ref.scorer AS reference,
+               s.run_id, s.seq_id, ref.logp AS lmu, s.logp AS lpi,
+               {d.finite_sql('ref.logp', 's.logp', nonfinite)} AS finite,
+               {', '.join(cols)}
+        FROM scores s
+        JOIN ({ref}) ref ON ref.run_id = s.run_id AND ref.seq_id = s.seq_id AND ref.pos = s.pos
+        JOIN runs ON runs.run_id = s.run_id
+        WHERE s.scorer <> $reference AND {where}"""
+    return base, params
+
+
+STORED_METRICS = ("topk",)
+"""The costly per-token metric (the top-K parts, list lambdas): a materialised row set stores it; the
+scalar rest is recomputed by every pass from lmu and lpi (cheaper than the memory to store it)."""
+
+
+def metrics_sql(skip: Iterable[str] = ()) -> dict[str, str]:
+    """name -> SQL of every per-token metric and `topk` (STRUCT(tv, kl)), NULL on non-finite rows."""
+    metrics = d.token_metrics_sql() | {"topk": d.topk_sql("lmu", "lpi")}
+    return {name: f"CASE WHEN finite THEN {expr} END" for name, expr in metrics.items() if name not in skip}
+
+
+def with_metrics(base: str, stored: Iterable[str] = ()) -> str:
+    """A base row set plus every metric of `metrics_sql` not already `stored` as a column of base, and
+    topk_tv / topk_kl unpacked from `topk`."""
+    cols = ", ".join(f"{expr} AS {name}" for name, expr in metrics_sql(skip=stored).items())
+    return f"SELECT *, topk.tv AS topk_tv, topk.kl AS topk_kl FROM (SELECT *, {cols} FROM ({base}))"
+
+
+def _used(sql: str, params: dict | None) -> dict:
+    return {k: v for k, v in (params or {}).items() if f"${k}" in sql}
+
+
+def query(con: duckdb.DuckDBPyConnection, sql: str, params: dict | None = None) -> pd.DataFrame:
+    """Run SQL with named parameters (those absent from the SQL dropped); ENUM labels come back as str."""
+    df = con.execute(sql, _used(sql, params)).df()
+    for c in df.select_dtypes("category").columns:
+        df[c] = df[c].astype(object)
+    return df
+
+
+def empty(columns: Iterable[str]) -> pd.DataFrame:
+    return pd.DataFrame({c: pd.Series(dtype="object") for c in columns})

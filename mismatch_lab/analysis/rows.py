@@ -1,0 +1,278 @@
+"""The passes over the row sets of `relations`, shared by every analysis and run at most once each.
+
+A pass is one GROUP BY over the joined rows. Most statistics are additive (counts, sums, maxima), so
+one pass on a fine grid -- (pair, advantage sign, category, linear mu bucket, log mu bucket) -- serves
+volatility, clipping, precision and violations at once; pandas then rolls the grid up. What is not
+additive gets a pass of its own: quantiles per mu bucket, per-sequence sums, per-token-string counts.
+
+`Rows(con, filters)` reads the store live (a standalone analysis call). `Rows(..., materialize=True)`
+(what `run_all` uses) first joins tokens and scores once into a temporary table, label columns as
+1-byte ENUMs, and every rollout-side pass reads that: the join of 10^7 tokens is the expensive part.
+The scorer side (scorer vs reference) stays live: it has two passes, one of them without top-K.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Self
+
+import duckdb
+import pandas as pd
+
+from mismatch_lab.analysis import definitions as d
+from mismatch_lab.analysis.relations import (
+    STORED_METRICS,
+    TOPK_STORED,
+    Filters,
+    _used,
+    has_tables,
+    metrics_sql,
+    query,
+    rollout_base,
+    scorer_base,
+    table_columns,
+    with_metrics,
+)
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """The rules a pass counts: ratio clip range [clip_low, clip_high], TV and KL radii."""
+
+    clip_low: float = d.CLIP_LOW
+    clip_high: float = d.CLIP_HIGH
+    delta_tv: float = d.DELTA_TV
+    delta_kl: float = d.DELTA_KL
+
+
+def sums_sql(t: Thresholds, only: tuple[str, ...] | None = None) -> str:
+    """The additive statistics of one group of rows (metric columns of relations.with_metrics).
+    Prefixes: n_ row counts, s_ sums, x_ maxima, c_ counts of a rule firing. Rules: 'hi' r > clip_high,
+    'lo' r < clip_low, 'tv' btv > delta_tv, 'kl' bkl > delta_kl, 'ktv'/'kkl' the top-K versions;
+    '_up' / '_down' the same restricted to r > 1 / r < 1 (pi above / below mu)."""
+    lo, hi, dtv, dkl = (repr(float(x)) for x in (t.clip_low, t.clip_high, t.delta_tv, t.delta_kl))
+    rules = {"tv": f"btv > {dtv}", "kl": f"bkl > {dkl}", "ktv": f"topk_tv > {dtv}", "kkl": f"topk_kl > {dkl}"}
+    out = [
+        "count(*) FILTER (WHERE finite) AS n",
+        "count(*) FILTER (WHERE NOT finite) AS n_nonfinite",
+        "sum(mu) AS s_mu", "sum(r - 1.0) AS s_r1", "sum((r - 1.0) * (r - 1.0)) AS s_r1sq", "sum(r * r) AS s_r2",
+        "sum(dp) AS s_dp", "sum(btv) AS s_btv", "max(btv) AS x_btv",
+        "sum(abs(dlogp)) AS s_adlogp", "max(abs(dlogp)) AS x_adlogp", "sum(dlogp) AS s_dlogp",
+        "sum(k2) AS s_k2", "sum(k3) AS s_k3", "sum(bkl) AS s_bkl",
+        f"count_if(abs(r - 1.0) > {d.R_DEVIATION!r}) AS c_dev",
+        f"count_if(btv > {d.BIG_DP!r}) AS c_bigdp",
+        f"count_if(r > {hi}) AS c_hi", f"count_if(r < {lo}) AS c_lo",
+        f"coalesce(sum(mu) FILTER (WHERE r > {hi}), 0) AS s_mu_hi",
+        f"coalesce(sum(mu) FILTER (WHERE r < {lo}), 0) AS s_mu_lo",
+        f"count_if(r > {hi} AND NOT btv > {dtv}) AS c_hi_keep",  # clipped although inside the TV region
+        f"count_if(r < {lo} AND NOT btv > {dtv}) AS c_lo_keep",
+        f"count_if(btv > {dtv} AND r >= {lo} AND r <= {hi}) AS c_tv_inside",  # TV masks, clip keeps
+        f"count_if(btv > {dtv} AND r > 1.0 AND r <= {hi}) AS c_tv_up_inside",
+        f"count_if(btv > {dtv} AND r < 1.0 AND r >= {lo}) AS c_tv_down_inside",
+        "count(topk_tv) AS n_topk", "sum(topk_tv) AS s_ktv",
+        "count(entropy) FILTER (WHERE finite AND isfinite(entropy)) AS n_ent",
+        "sum(entropy) FILTER (WHERE finite AND isfinite(entropy)) AS s_ent",
+        "count(*) FILTER (WHERE finite AND isfinite(tv_exact)) AS n_exact",
+        "sum(tv_exact) FILTER (WHERE finite AND isfinite(tv_exact)) AS s_exact",
+    ]  # fmt: skip
+    for name, rule in rules.items():
+        out += [f"count_if({rule}) AS c_{name}", f"count_if(r > 1.0 AND {rule}) AS c_{name}_up",
+                f"count_if(r < 1.0 AND {rule}) AS c_{name}_down"]  # fmt: skip
+    if only is not None:  # a pass that needs fewer statistics should not pay for the rest
+        out = [part for part in out if part.rsplit(" AS ", 1)[1] in only]
+    return ",\n            ".join(out)
+
+
+SUM_COLUMNS = [part.rsplit(" AS ", 1)[1] for part in sums_sql(Thresholds()).split(",\n")]
+PRECISION_SUMS = ("n", "n_nonfinite", "s_btv", "x_btv", "s_dp", "s_adlogp", "x_adlogp", "s_dlogp", "s_k2", "s_k3",
+                  "s_r2", "s_r1", "s_bkl", "c_hi", "c_lo", "c_dev", "c_bigdp")  # fmt: skip
+"""What precision.token_metrics reads: all the scorer-vs-reference pass computes."""
+
+
+def rollup(grid: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
+    """Sum a sums-grid over every key not in `keys` (x_ maxima by max). NULL keys form their own group."""
+    agg = {c: ("max" if c.startswith("x_") else "sum") for c in SUM_COLUMNS}
+    return grid.groupby(keys, dropna=False, sort=False).agg(agg).reset_index()
+
+
+class Rows:
+    """Both row sets of one filter set and the cached passes over them (module docstring)."""
+
+    def __init__(
+        self,
+        con: duckdb.DuckDBPyConnection,
+        filters: Filters | None = None,
+        reference: str = d.REFERENCE_SCORER,
+        *,
+        materialize: bool = False,
+        topk: bool = True,
+    ):
+        self.con, self.filters = con, filters or Filters()
+        self.ok = has_tables(con, "tokens", "scores", "runs")
+        self._cache: dict = {}
+        self._tables: list[str] = []
+        if not self.ok:
+            return
+        # the scorer side (scorer vs reference) is read live: two passes cost less than materialising it
+        self.sql: dict[str, tuple[str, dict]] = {}
+        sql, params = scorer_base(con, self.filters, reference, topk=topk)
+        self.sql["scorer"] = (with_metrics(sql), params)
+        sql, params = scorer_base(con, self.filters, reference, topk=False)
+        self.sql["scorer_plain"] = (with_metrics(sql), params)  # for the per-sequence pass: no top-K
+        sql, params = rollout_base(con, self.filters, topk=topk, enums=self._enums() if materialize else None)
+        if materialize:
+            self.sql["rollout"] = (with_metrics(self._materialize("rollout", sql, params), STORED_METRICS), {})
+        else:
+            self.sql["rollout"] = (with_metrics(sql), params)
+
+    # -- materialisation ------------------------------------------------------------------------------
+    def _materialize(self, side: str, base: str, params: dict) -> str:
+        """Join once into a temp table: base columns (labels already ENUMs) and STORED_METRICS, without
+        the top-K parts they were computed from."""
+        table = f"_ml_{side}_{uuid.uuid4().hex[:10]}"
+        names = [r[0] for r in self.con.execute(f"DESCRIBE {base}", _used(base, params)).fetchall()]
+        stored = metrics_sql()
+        select = ", ".join([n for n in names if n not in TOPK_STORED] + [f"{stored[m]} AS {m}" for m in STORED_METRICS])
+        # Row order is irrelevant to every pass; not keeping it lets DuckDB write in parallel.
+        (order,) = self.con.execute("SELECT current_setting('preserve_insertion_order')").fetchone()
+        self.con.execute("SET preserve_insertion_order = false")
+        try:
+            self.con.execute(f"CREATE TEMP TABLE {table} AS SELECT {select} FROM ({base})", _used(base, params))
+        finally:
+            self.con.execute(f"SET preserve_insertion_order = {bool(order)}")
+        self._tables.append(table)
+        return f"SELECT * FROM temp.{table}"
+
+    def _enums(self) -> dict[str, str]:
+        """ENUM types for the label columns: one byte a row instead of a string."""
+        if "enums" in self._cache:
+            return self._cache["enums"]
+        con = self.con
+        values = {
+            "rollout": f"SELECT DISTINCT {d.ROLLOUT_LABEL_SQL} FROM runs",
+            "run_id": "SELECT DISTINCT run_id FROM runs",
+            "scorer": "SELECT DISTINCT scorer FROM scores",
+        }
+        if "category" in table_columns(con, "tokens"):
+            values["category"] = "SELECT DISTINCT coalesce(category, 'uncategorized') FROM tokens"
+        out = {}
+        for name, sql in values.items():
+            vals = sorted({str(r[0]) for r in con.execute(sql).fetchall() if r[0] is not None} | (
+                {"uncategorized"} if name == "category" else set()))  # fmt: skip
+            if vals:
+                out[name] = "ENUM(" + ", ".join("'" + v.replace("'", "''") + "'" for v in vals) + ")"
+        out["adv_sign"] = "ENUM('positive', 'negative')"
+        self._cache["enums"] = out
+        return out
+
+    def close(self) -> None:
+        for t in self._tables:
+            self.con.execute(f"DROP TABLE IF EXISTS temp.{t}")
+        self._tables = []
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- passes ---------------------------------------------------------------------------------------
+    def _run(self, key, sql_of) -> pd.DataFrame:
+        if key not in self._cache:
+            self._cache[key] = sql_of()
+        return self._cache[key].copy()
+
+    def grid(self, t: Thresholds, n_linear: int = d.N_LINEAR_BUCKETS, n_log: int = d.N_LOG_BUCKETS) -> pd.DataFrame:
+        """Sums per (rollout, scorer, adv_sign, category, lb, gb) of the rollout rows; lb / gb are the
+        linear / log mu buckets (-1 where log mu is not finite)."""
+
+        def run():
+            rel, params = self.sql["rollout"]
+            lb = f"coalesce({d.bucket_sql('linear', n_linear)}, -1)"
+            gb = f"coalesce({d.bucket_sql('log', n_log)}, -1)"
+            sql = f"""
+                SELECT rollout, scorer, adv_sign, category, {lb} AS lb, {gb} AS gb, {sums_sql(t)}
+                FROM ({rel}) GROUP BY ALL"""
+            return query(self.con, sql, params)
+
+        return self._run(("grid", t, n_linear, n_log), run)
+
+    def scorer_sums(self, t: Thresholds = Thresholds(), delta_tv: float = d.DELTA_TV) -> pd.DataFrame:
+        """Per (rollout, scorer, reference) of the scorer-vs-reference rows: the PRECISION_SUMS (for the
+        noise floor) and the approximation aggregates at delta_tv, in one pass."""
+
+        def run():
+            from mismatch_lab.analysis.approximation import approximation_sql
+
+            rel, params = self.sql["scorer"]
+            sql = f"""SELECT rollout, scorer, reference, {sums_sql(t, PRECISION_SUMS)}, {approximation_sql(delta_tv)}
+                      FROM ({rel}) GROUP BY ALL"""
+            return query(self.con, sql, params)
+
+        return self._run(("scorer_sums", t, float(delta_tv)), run)
+
+    def token_sums(self, t: Thresholds) -> pd.DataFrame:
+        """Sums per (rollout, scorer, token string, category) of the rollout rows. The pass groups by
+        (run_id, token_id) -- ids are cheap to group -- and names them from `tokens` afterwards."""
+
+        def run():
+            rel, params = self.sql["rollout"]
+            sql = f"""
+                SELECT rollout, scorer, run_id, token_id, category, {sums_sql(t)}
+                FROM ({rel}) GROUP BY ALL"""
+            by_id = query(self.con, sql, params)
+            names = query(
+                self.con,
+                "SELECT run_id, token_id, min(token_text) AS token_text FROM tokens GROUP BY ALL"
+                if "token_text" in table_columns(self.con, "tokens")
+                else "SELECT NULL AS run_id, NULL AS token_id, NULL AS token_text WHERE false",
+            )
+            named = by_id.merge(names, on=["run_id", "token_id"], how="left")
+            return rollup(named, ["rollout", "scorer", "token_text", "category"])
+
+        return self._run(("token_sums", t), run)
+
+    def quantiles(self, scale: str, n_buckets: int) -> pd.DataFrame:
+        """Per (rollout, scorer, mu bucket of `scale`): quantiles of r (definitions.RATIO_QUANTILES) and the
+        99th percentiles of binary TV, top-K TV and the stored exact TV, over finite rows."""
+
+        def run():
+            rel, params = self.sql["rollout"]
+            names = [f"r_p{round(q * 100):02d}" for q in d.RATIO_QUANTILES]
+            q_cols = ", ".join(f"r_q[{i + 1}] AS {name}" for i, name in enumerate(names))
+            ok = "finite AND isfinite(tv_exact)"
+            sql = f"""
+                SELECT * EXCLUDE (r_q), {q_cols} FROM (
+                SELECT rollout, scorer, coalesce({d.bucket_sql(scale, n_buckets)}, -1) AS bucket,
+                    quantile_cont(r, {list(d.RATIO_QUANTILES)}) AS r_q,
+                    quantile_cont(btv, 0.99) AS binary_tv_p99,
+                    quantile_cont(topk_tv, 0.99) AS topk_tv_p99,
+                    quantile_cont(tv_exact, 0.99) FILTER (WHERE {ok}) AS tv_exact_vs_ref_p99
+                FROM ({rel}) GROUP BY ALL)"""
+            return query(self.con, sql, params)
+
+        return self._run(("quantiles", scale, n_buckets), run)
+
+    def sequences(self, side: str) -> pd.DataFrame:
+        """One row per (pair, sequence): response_len (rows of the sequence in this pair), n_nonfinite,
+        logratio_sum = sum(log pi - log mu), seq_kl_k1 = sum(k1), seq_kl_k3 = sum(k3) (sums NULL when
+        the sequence holds a non-finite row); adv_sign on the rollout side."""
+
+        def run():
+            rel, params = self.sql["scorer_plain" if side == "scorer" else side]
+            keys = "rollout, scorer, run_id, seq_id" + (", reference" if side == "scorer" else "")
+            sign = ", any_value(adv_sign) AS adv_sign" if side == "rollout" else ""
+            sql = f"""
+                SELECT {keys},
+                    count(*) AS response_len,
+                    count(*) FILTER (WHERE NOT finite) AS n_nonfinite,
+                    CASE WHEN bool_and(finite) THEN sum(dlogp) END AS logratio_sum,
+                    CASE WHEN bool_and(finite) THEN sum(k1) END AS seq_kl_k1,
+                    CASE WHEN bool_and(finite) THEN sum(k3) END AS seq_kl_k3
+                    {sign}
+                FROM ({rel}) GROUP BY {keys}
+                ORDER BY {keys}"""
+            return query(self.con, sql, params)
+
+        return self._run(("sequences", side), run)

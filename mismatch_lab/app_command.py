@@ -1,0 +1,97 @@
+"""`mismatch-lab app`: start the Streamlit app on a study.
+
+    mismatch-lab app                                   # offers every study under studies/
+    mismatch-lab app --study studies/precision-sweep   # a study folder (reads its results/ Parquet)
+    mismatch-lab app --study runs/live.duckdb --port 8502
+
+Becomes `streamlit run apps/streamlit_app.py -- --study <path>` (exec, same process) and also passes the
+path as $MISMATCH_LAB_STUDY. The app opens stores read-only (a snapshot when a writer holds the DuckDB
+lock), so it can run next to a `collect` or `train` that is still writing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+from mismatch_lab.errors import UserError
+
+APP = Path(__file__).resolve().parents[1] / "apps" / "streamlit_app.py"
+ENV_VAR = "MISMATCH_LAB_STUDY"  # read by apps/lab_ui.py
+DEFAULT_PORT = 8501  # Streamlit's own default
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--study",
+        type=Path,
+        default=None,
+        help="study folder (studies/<name>), .duckdb file or folder of <table>.parquet files; "
+        "default: pick any study under studies/ in the app",
+    )
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"local port (default {DEFAULT_PORT})")
+    parser.add_argument("--headless", action="store_true", help="do not open a browser window")
+
+
+def _check_study(study: Path) -> Path:
+    if not study.exists():
+        raise UserError(
+            f"no study at {study}: pass a study folder (studies/<name>), a .duckdb file or a folder "
+            "of Parquet files; `ls studies/` lists the studies of this checkout"
+        )
+    if study.is_dir():
+        has_data = (
+            any((study / "results").glob("*.parquet")) or any(study.glob("*.parquet")) or any(study.glob("*.duckdb"))
+        )
+        if not has_data:
+            raise UserError(
+                f"{study} holds no results/*.parquet, *.parquet or *.duckdb: "
+                f"collect into it first (`mismatch-lab collect --study {study}/study.toml`)"
+            )
+    elif study.suffix != ".duckdb":
+        raise UserError(f"{study} is a file but not a .duckdb store: pass the .duckdb file or the study folder")
+    return study.resolve()
+
+
+def build_command(study: Path | None, port: int, headless: bool) -> list[str]:
+    """The `streamlit run` command line for these arguments (checked; raises UserError on a mistake)."""
+    if not 1 <= port <= 65535:
+        raise UserError(f"--port {port} is not a TCP port: pick one in 1..65535 (default {DEFAULT_PORT})")
+    if not APP.is_file():
+        raise UserError(
+            f"the app is not in this installation ({APP} missing): run from a checkout "
+            "installed with `pip install -e .`"
+        )
+    if importlib.util.find_spec("streamlit") is None:
+        raise UserError("streamlit is not installed: `pip install -e .` installs it")
+    cmd = [
+        sys.executable,
+        "-m",
+        "streamlit",
+        "run",
+        str(APP),
+        "--server.port",
+        str(port),
+        "--server.headless",
+        "true" if headless else "false",
+        "--browser.gatherUsageStats",
+        "false",
+    ]
+    if study is not None:
+        cmd += ["--", "--study", str(_check_study(study))]
+    return cmd
+
+
+def run(args: argparse.Namespace) -> int:
+    cmd = build_command(args.study, args.port, args.headless)
+    env = dict(os.environ)
+    if args.study is not None:
+        env[ENV_VAR] = cmd[-1]
+    print(f"mismatch-lab app: serving on http://localhost:{args.port} (Ctrl+C stops)", file=sys.stderr, flush=True)
+    # Streamlit replaces this process, so Ctrl+C and a supervisor's SIGTERM reach the server itself and no
+    # orphaned server is left behind.
+    os.execve(cmd[0], cmd, env)
+    raise AssertionError("os.execve returned")  # it does not: on failure it raises OSError

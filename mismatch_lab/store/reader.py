@@ -1,0 +1,157 @@
+"""Read-only access to a store, whatever form it takes. Readers never block a running collect.
+
+`open_store(path)` accepts
+  (a) a DuckDB file: opened read_only. If a running writer holds the lock, the file (and its .wal) is
+      copied to a temporary directory and the copy is opened instead: a consistent snapshot of what was
+      committed, while the writer goes on. The copy is removed when the process exits.
+  (b) a directory of Parquet results, `<dir>/<table>.parquet` (or `<dir>/<table>/*.parquet`, e.g. hive
+      partitions) for the tables of `schema.TABLES`: an in-memory DuckDB with one VIEW per table.
+      A missing file gives an empty table; a contract column a file lacks reads as NULL.
+  (c) a study directory `studies/<name>/` (or its study.toml): its `results/` directory, as in (b).
+Anything else raises `UserError` naming the fix.
+"""
+
+from __future__ import annotations
+
+import atexit
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import duckdb
+
+from mismatch_lab.errors import UserError
+from mismatch_lab.store.schema import DDL, TABLES
+
+ACCEPTED = (
+    "pass a .duckdb file, a directory holding <table>.parquet files, or a study directory "
+    "(studies/<name>/ with a results/ folder)"
+)
+READER_MEMORY_LIMIT = "3GB"
+"""DuckDB's own default is 80 % of RAM, which a reader could take from a collect running beside it. At
+3 GB `analyze` of 10^7 tokens still runs in memory (peak RSS ~3.3 GB, docs/analysis.md); larger stores
+spill to a private temporary directory instead of failing."""
+SNAPSHOT_TRIES = 3  # a copy taken while the writer checkpoints can be torn; a retry a moment later is not
+
+
+def open_store(path: str | Path) -> duckdb.DuckDBPyConnection:
+    """A read-only DuckDB connection on the store at `path` (module docstring)."""
+    con = _open(Path(path).expanduser())
+    con.execute("SET enable_progress_bar = false")  # DuckDB's bar would garble CLI tables and app logs
+    con.execute(f"SET memory_limit = '{READER_MEMORY_LIMIT}'")
+    # spill files go to a private folder, not beside the store (a study folder may be read-only)
+    spill = tempfile.mkdtemp(prefix="mismatch-lab-spill-")
+    atexit.register(shutil.rmtree, spill, True)
+    con.execute("SET temp_directory = ?", [spill])
+    return con
+
+
+def _open(p: Path) -> duckdb.DuckDBPyConnection:
+    if p.is_file() and p.name == "study.toml":
+        p = p.parent
+    if p.is_file():
+        return _open_file(p)
+    if p.is_dir():
+        if (p / "results").is_dir():
+            return _open_parquet_dir(p / "results")
+        if _parquet_sources(p):
+            return _open_parquet_dir(p)
+        dbs = sorted(p.glob("*.duckdb"))
+        hint = f"; this directory holds {', '.join(str(x) for x in dbs)}: pass that file" if dbs else ""
+        raise UserError(f"{p} holds neither <table>.parquet files nor a results/ folder{hint}; {ACCEPTED}")
+    raise UserError(f"no such file or directory: {p}; {ACCEPTED}")
+
+
+def _open_file(p: Path) -> duckdb.DuckDBPyConnection:
+    try:
+        return duckdb.connect(str(p), read_only=True)
+    except duckdb.IOException as exc:
+        if "lock" not in str(exc).lower():
+            raise UserError(f"cannot read {p} as a DuckDB store ({_last_line(exc)}); {ACCEPTED}") from exc
+    except duckdb.ConnectionException:
+        pass  # this process already holds it open for writing: read a snapshot, as from another process
+    except duckdb.Error as exc:
+        raise UserError(f"cannot read {p} as a DuckDB store ({_last_line(exc)}); {ACCEPTED}") from exc
+    return _open_snapshot(p)
+
+
+def _open_snapshot(p: Path) -> duckdb.DuckDBPyConnection:
+    last: Exception | None = None
+    for attempt in range(SNAPSHOT_TRIES):
+        tmp = Path(tempfile.mkdtemp(prefix="mismatch-lab-snapshot-"))
+        atexit.register(shutil.rmtree, tmp, True)
+        copy = tmp / p.name
+        shutil.copyfile(p, copy)
+        wal = p.with_name(p.name + ".wal")
+        if wal.exists():
+            shutil.copyfile(wal, tmp / wal.name)
+        try:
+            return duckdb.connect(str(copy), read_only=True)
+        except duckdb.Error as exc:
+            last = exc
+            time.sleep(0.5 * (attempt + 1))
+    raise UserError(
+        f"{p} is being written and a snapshot of it could not be read ({_last_line(last)}); "
+        "retry in a moment, or analyse an exported results/ directory"
+    )
+
+
+def _parquet_sources(d: Path) -> dict[str, str]:
+    """table -> read_parquet() argument for the tables present in directory d."""
+    out = {}
+    for table in TABLES:
+        if (d / f"{table}.parquet").is_file():
+            out[table] = str(d / f"{table}.parquet")
+        elif (d / table).is_dir() and any((d / table).rglob("*.parquet")):
+            out[table] = str(d / table / "**" / "*.parquet")
+    return out
+
+
+def _contract_columns() -> dict[str, list[tuple[str, str]]]:
+    """table -> [(column, type)] of the DDL, read from a scratch in-memory database."""
+    scratch = duckdb.connect()
+    try:
+        for stmt in DDL:
+            scratch.execute(stmt)
+        rows = scratch.execute(
+            "SELECT table_name, column_name, data_type FROM information_schema.columns "
+            "WHERE table_schema = 'main' ORDER BY table_name, ordinal_position"
+        ).fetchall()
+    finally:
+        scratch.close()
+    out: dict[str, list[tuple[str, str]]] = {}
+    for table, column, typ in rows:
+        out.setdefault(table, []).append((column, typ))
+    return out
+
+
+def _open_parquet_dir(d: Path) -> duckdb.DuckDBPyConnection:
+    sources = _parquet_sources(d)
+    contract = _contract_columns()
+    con = duckdb.connect()
+    for table in TABLES:
+        src = sources.get(table)
+        if src is None:
+            con.execute(next(s for s in DDL if _ddl_table(s) == table))
+            continue
+        arg = "'" + src.replace("'", "''") + "'"
+        # hive keys (table/run_id=x/...) only for partitioned directories: a plain file path may contain '='
+        options = ", hive_partitioning = true, union_by_name = true" if src.endswith("*.parquet") else ""
+        reader = f"read_parquet({arg}{options})"
+        try:
+            present = {r[0] for r in con.execute(f"DESCRIBE SELECT * FROM {reader}").fetchall()}
+        except duckdb.Error as exc:
+            con.close()
+            raise UserError(f"cannot read {src} as Parquet ({_last_line(exc)}); re-export the store") from exc
+        missing = [f"NULL::{typ} AS {name}" for name, typ in contract[table] if name not in present]
+        con.execute(f"CREATE VIEW {table} AS SELECT *{''.join(', ' + m for m in missing)} FROM {reader}")
+    return con
+
+
+def _ddl_table(stmt: str) -> str:
+    return stmt.split("EXISTS", 1)[1].split("(", 1)[0].strip()
+
+
+def _last_line(exc: BaseException | None) -> str:
+    return str(exc).strip().splitlines()[-1] if exc else "unknown error"

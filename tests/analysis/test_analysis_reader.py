@@ -1,0 +1,134 @@
+"""open_store: DuckDB files (also while a writer holds them), Parquet directories, study directories."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import duckdb
+import pytest
+
+from mismatch_lab.errors import UserError
+from mismatch_lab.store.reader import open_store
+from mismatch_lab.store.schema import TABLES, create_schema
+
+
+def _count(con, table: str) -> int:
+    return con.execute(f"SELECT count(*) FROM {table}").fetchone()[0]
+
+
+def test_a_duckdb_file_opens_read_only(full_store):
+    con = open_store(full_store.path)
+    assert _count(con, "tokens") == len(full_store.frames["tokens"])
+    with pytest.raises(duckdb.Error, match="read-only"):
+        con.execute("DELETE FROM tokens")
+    con.close()
+
+
+def test_a_file_locked_by_a_running_writer_is_read_from_a_snapshot(tmp_path):
+    path = tmp_path / "busy.duckdb"
+    writer = textwrap.dedent(
+        f"""
+        import sys, time, duckdb
+        from mismatch_lab.store.schema import create_schema
+        con = duckdb.connect({str(path)!r})
+        create_schema(con)
+        con.execute("INSERT INTO runs (run_id) VALUES ('checkpointed')")
+        con.execute("CHECKPOINT")
+        con.execute("INSERT INTO runs (run_id) VALUES ('in-the-wal')")
+        print("ready", flush=True)
+        sys.stdin.readline()
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", writer], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        with pytest.raises(duckdb.IOException, match="lock"):
+            duckdb.connect(str(path), read_only=True)
+        con = open_store(path)
+        assert sorted(r[0] for r in con.execute("SELECT run_id FROM runs").fetchall()) == ["checkpointed", "in-the-wal"]
+        con.close()
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=30)
+    assert proc.returncode == 0
+
+
+def test_a_file_this_process_writes_is_read_from_a_snapshot(tmp_path):
+    path = tmp_path / "mine.duckdb"
+    writer = duckdb.connect(str(path))
+    create_schema(writer)
+    writer.execute("INSERT INTO runs (run_id) VALUES ('a')")
+    writer.execute("CHECKPOINT")
+    con = open_store(path)
+    assert _count(con, "runs") == 1
+    writer.execute("INSERT INTO runs (run_id) VALUES ('b')")  # the writer is not blocked by the reader
+    assert _count(writer, "runs") == 2
+    con.close()
+    writer.close()
+
+
+def _export(full_store, folder, tables=("runs", "tokens", "scores")):
+    folder.mkdir(parents=True, exist_ok=True)
+    src = duckdb.connect(str(full_store.path), read_only=True)
+    for table in tables:
+        src.execute(f"COPY {table} TO '{folder / (table + '.parquet')}' (FORMAT parquet)")
+    src.close()
+
+
+def test_a_parquet_directory_gets_views_and_missing_tables_come_empty(full_store, tmp_path):
+    _export(full_store, tmp_path / "results")
+    con = open_store(tmp_path / "results")
+    assert _count(con, "tokens") == len(full_store.frames["tokens"])
+    for table in TABLES:  # every contract table is there, the unexported ones empty
+        con.execute(f"SELECT * FROM {table} LIMIT 0")
+    assert _count(con, "sequences") == 0 and _count(con, "train_metrics") == 0
+    con.close()
+
+
+def test_a_contract_column_missing_from_a_parquet_file_reads_as_null(full_store, tmp_path):
+    folder = tmp_path / "old"
+    _export(full_store, folder, tables=("runs", "tokens"))
+    src = duckdb.connect(str(full_store.path), read_only=True)
+    src.execute(f"COPY (SELECT * EXCLUDE (logps_at_ref_topk, entropy) FROM scores) TO '{folder / 'scores.parquet'}' (FORMAT parquet)")
+    src.close()
+    con = open_store(folder)
+    assert con.execute("SELECT count(*) FILTER (WHERE entropy IS NOT NULL) FROM scores").fetchone()[0] == 0
+    assert _count(con, "scores") == len(full_store.frames["scores"])
+    con.close()
+
+
+def test_a_partitioned_table_folder_is_read_with_its_hive_keys(full_store, tmp_path):
+    folder = tmp_path / "parts"
+    _export(full_store, folder, tables=("runs", "tokens"))
+    src = duckdb.connect(str(full_store.path), read_only=True)
+    src.execute(f"COPY scores TO '{folder / 'scores'}' (FORMAT parquet, PARTITION_BY (scorer))")
+    src.close()
+    con = open_store(folder)
+    assert _count(con, "scores") == len(full_store.frames["scores"])
+    assert {r[0] for r in con.execute("SELECT DISTINCT scorer FROM scores").fetchall()} == {"hf:fp32", "hf:bf16"}
+    con.close()
+
+
+def test_a_study_directory_or_its_toml_opens_its_results(full_store, tmp_path):
+    study = tmp_path / "studies" / "demo"
+    _export(full_store, study / "results")
+    (study / "study.toml").write_text("name = 'demo'\n")
+    for path in (study, study / "study.toml"):
+        con = open_store(path)
+        assert _count(con, "runs") == len(full_store.frames["runs"])
+        con.close()
+
+
+def test_bad_paths_raise_a_user_error_naming_the_fix(tmp_path):
+    with pytest.raises(UserError, match="no such file or directory.*pass a .duckdb file"):
+        open_store(tmp_path / "missing.duckdb")
+    (tmp_path / "x" / "a.duckdb").parent.mkdir()
+    (tmp_path / "x" / "a.duckdb").write_bytes(b"")
+    with pytest.raises(UserError, match=r"a\.duckdb: pass that file"):
+        open_store(tmp_path / "x")
+    garbage = tmp_path / "garbage.duckdb"
+    garbage.write_bytes(b"this is not a database" * 100)
+    with pytest.raises(UserError, match="cannot read .* as a DuckDB store"):
+        open_store(garbage)
