@@ -401,9 +401,37 @@ def collect(cfg: CollectConfig, *, progress: bool = True) -> list[str]:
             e.close()
         if scorer is not None:
             scorer.close()
+    fill_rewards(writer.con, run_ids, prompts)
     print_summary(writer.con, run_ids, cfg)
     writer.close()
     return run_ids
+
+
+def fill_rewards(con, run_ids: list[str], prompts: list[dict]) -> int:
+    """Set `sequences.reward` (1/0, last number in the reply vs the prompt's numeric "answer") where unset.
+
+    Prompts without an answer keep reward NULL. Idempotent: runs again on resume and on complete runs.
+    Advantages stay NULL for collect runs; the analyses use reward minus the prompt group's mean.
+    """
+    import pyarrow as pa
+
+    from mismatch_lab.rl.tasks.arithmetic import parse_answer, reward
+
+    answers = {p["id"]: p["answer"] for p in prompts if p.get("answer") is not None
+               and parse_answer(str(p["answer"])) is not None}
+    if not answers or not run_ids:
+        return 0
+    marks = ",".join("?" * len(run_ids))
+    rows = con.execute(f"SELECT run_id, seq_id, prompt_id, response_text FROM sequences WHERE reward IS NULL "
+                       f"AND run_id IN ({marks})", run_ids).fetchall()
+    upd = [(r, s, reward(t or "", str(answers[p]))) for r, s, p, t in rows if p in answers]
+    if upd:
+        tbl = pa.table({"run_id": [u[0] for u in upd], "seq_id": [u[1] for u in upd], "reward": [u[2] for u in upd]})
+        con.register("_rewards", tbl)
+        con.execute("UPDATE sequences SET reward = _rewards.reward FROM _rewards "
+                    "WHERE sequences.run_id = _rewards.run_id AND sequences.seq_id = _rewards.seq_id")
+        con.unregister("_rewards")
+    return len(upd)
 
 
 def _load_tokenizer(model: str, trust_remote_code: bool):

@@ -125,7 +125,7 @@ def _content(db: Path):
     con = duckdb.connect(str(db), read_only=True)
     out = {
         "runs": con.execute("SELECT run_id, status FROM runs ORDER BY 1").fetchall(),
-        "seq": con.execute("SELECT run_id, seq_id, prompt_id, sample_idx, response_len FROM sequences ORDER BY 1, 2").fetchall(),
+        "seq": con.execute("SELECT run_id, seq_id, prompt_id, sample_idx, response_len, reward FROM sequences ORDER BY 1, 2").fetchall(),
         "tok": con.execute("SELECT run_id, seq_id, pos, token_id, logp_rollout FROM tokens ORDER BY 1, 2, 3").fetchall(),
         "sc": con.execute("SELECT run_id, seq_id, pos, scorer, logp, tv_exact_vs_ref FROM scores ORDER BY 1, 2, 3, 4").fetchall(),
         "dup": con.execute("SELECT count(*) FROM (SELECT run_id, seq_id, pos, scorer FROM scores GROUP BY ALL HAVING count(*) > 1)").fetchone()[0],
@@ -147,6 +147,7 @@ def test_killed_runs_resume_with_nothing_lost_and_nothing_duplicated(tmp_path, t
     assert expected["runs"][0][1] == "complete" and expected["dup"] == 0
     assert [p for p, _ in expected["skipped"]] == ["p11", "p5"]
     assert len(expected["seq"]) == 10 * 2
+    assert all(row[-1] in (0.0, 1.0) for row in expected["seq"])  # every prompt has an answer: reward set
 
     # Ctrl-C after the first chunk, then kill -9 after the next, then finish
     p = _collect_proc(_args(tiny_model, prompts, db))
@@ -212,3 +213,19 @@ def test_on_the_embedded_model_the_mismatch_orders_bf16_over_fp16_over_fp32(tmp_
     assert m["vllm:bf16"] > m["vllm:fp16"] > m["vllm:fp32"], df
     assert m["vllm:fp32"] < 1e-4  # ENVIRONMENT.md measured 4.9e-6
     assert df.loc["vllm:bf16", "n_tokens"] > 100
+
+
+def test_rewards_score_the_last_number_of_each_reply_against_the_answer(tmp_path):
+    from mismatch_lab.collect import fill_rewards
+    from mismatch_lab.store.writer import StoreWriter, to_arrow
+
+    w = StoreWriter(tmp_path / "r.duckdb")
+    seqs = to_arrow("sequences", {"run_id": ["r"] * 3, "seq_id": [0, 1, 2], "prompt_id": ["a", "a", "chat"],
+                                  "response_text": ["7 + 5 = 12.", "It is 13", "hello"]})
+    empty = lambda t: to_arrow(t, {"run_id": []})  # noqa: E731
+    w.write_chunk("r", 0, sequences=seqs, tokens=empty("tokens"), scores=empty("scores"), seconds=0.0)
+    prompts = [{"id": "a", "prompt": "What is 7 + 5?", "answer": "12"}, {"id": "chat", "prompt": "hi", "answer": None}]
+    assert fill_rewards(w.con, ["r"], prompts) == 2
+    assert w.con.execute("SELECT reward FROM sequences ORDER BY seq_id").fetchall() == [(1.0,), (0.0,), (None,)]
+    assert fill_rewards(w.con, ["r"], prompts) == 0  # idempotent
+    w.close()
