@@ -316,7 +316,9 @@ def collect(cfg: CollectConfig, *, progress: bool = True) -> list[str]:
     import duckdb
 
     versions["duckdb"] = duckdb.__version__
-    base_cfg = {k: v for k, v in asdict(cfg).items() if k not in ("db", "device")}
+    # the run id hashes what determines a run's rows; the other rollout dtypes in the list do not, so
+    # adding a dtype to a study later does not redo the runs already there
+    base_cfg = {k: v for k, v in asdict(cfg).items() if k not in ("db", "device", "rollout_dtypes")}
     base_cfg.update(model_resolved=model, prompts_sha256=_file_sha(cfg.prompts), chat_template=templated,
                     max_model_len_used=max_len)
 
