@@ -18,12 +18,12 @@ import math
 import platform
 import sys
 import time
-import tomllib
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from mismatch_lab import DTYPES
 from mismatch_lab.errors import UserError
+from mismatch_lab.studyfile import apply_study
 
 
 @dataclass
@@ -80,26 +80,7 @@ def load_config(args) -> CollectConfig:
     cfg = CollectConfig()
     names = {f.name for f in fields(CollectConfig)}
     if args.study:
-        path = Path(args.study)
-        if path.is_dir():
-            path = path / "study.toml"
-        if not path.is_file():
-            raise UserError(f"--study {args.study}: no such file; pass studies/<name>/study.toml")
-        try:
-            data = tomllib.loads(path.read_text())
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-            raise UserError(f"{path}: malformed TOML ({exc}); fix the study file") from exc
-        data = data.get("collect", data)  # a study may hold [collect] and [train] tables
-        data = {k.replace("-", "_"): v for k, v in data.items() if not isinstance(v, dict)}
-        unknown = sorted(set(data) - names)
-        if unknown:
-            raise UserError(f"{path}: unknown keys {unknown}; valid keys are {sorted(names)}")
-        cfg.study = path.parent.name
-        cfg.db = str(path.parent / f"{path.parent.name}.duckdb")
-        for k, v in data.items():
-            if k in ("prompts", "db") or (k == "model" and str(v).startswith((".", "/"))):
-                v = str((path.parent / v).resolve()) if not Path(v).is_absolute() else v
-            setattr(cfg, k, v)
+        apply_study(cfg, args.study, "collect", names, path_keys=("prompts", "db"))
     for k in names:
         v = getattr(args, k, None)
         if v is not None:

@@ -1,0 +1,477 @@
+"""The reference training loop: vLLM rollout -> HF trainer update -> weight push, logging the mismatch.
+
+    from mismatch_lab.rl.loop import TrainConfig, train
+    train(TrainConfig(model="default", loss="dppo_binary_tv", steps=8, db="runs/x.duckdb"))
+
+One step (`step` = 1 … `steps`):
+    1. problems   `prompts_per_step` distinct problems of the task split, seeded by (seed, step)
+    2. rollout    the in-process vLLM engine at `rollout_dtype` samples each `samples_per_prompt` times at
+                  T=1, recording μ of every sampled token and its top-K (K = 20, sampled token included)
+    3. reward     the task's verifier (1/0), then `group_advantages` per prompt
+    4. score      the HF trainer at `trainer_dtype` recomputes log π of the sampled tokens (and at the
+                  rollout's top-K ids for dppo_topk_*) with gradients; logits h @ W.T in the trainer dtype,
+                  log-softmax in fp32, only at response positions (small shapes: no vocabulary chunking)
+    5. update     `policy_loss` -> backward -> grad clip -> AdamW, once per mini-batch (`minibatches`)
+    6. rescore    no-grad forward on the same tokens: `bad_update_metrics` against μ (the paper's definition)
+    7. sync       `engine.load_state_dict(model.state_dict())` (reload_weights + reset_prefix_cache, with
+                  lm_head.weight) so the next rollout samples from the updated policy
+    8. write      the step's sequences / tokens / scores (scorer 'hf:<trainer dtype>', π *before* the
+                  update, i.e. what the loss saw) and its `train_metrics` rows in ONE `write_chunk` call with
+                  chunk = step: a step is in the store entirely or not at all.
+
+Resume: every `checkpoint_every` steps (and after the last) model + optimizer + step + RNG states go to
+`<out>/<run_id>/checkpoint.pt`, written after the step's DB commit (so the checkpoint is never ahead of
+the store). Re-running the same command loads the checkpoint, deletes the store's rows of steps after
+it (they were trained from weights the checkpoint does not hold) and redoes them. Rollouts use
+per-request seeds derived from (seed, step, prompt, sample), so redone steps sample what the
+uninterrupted run would have sampled from the same weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+from mismatch_lab import DTYPES
+from mismatch_lab.errors import UserError
+
+# LossConfig fields exposed on TrainConfig under the same names (one flat config for study files and flags)
+LOSS_FIELDS = ("eps_low", "eps_high", "delta", "is_cap", "tis_cap", "cispo_eps_low", "cispo_eps_high",
+               "aggregation", "constant_norm", "anchor", "topk")
+# fields that do not change what a run computes: excluded from the run id, so `--steps 20` extends a run of 10
+_NOT_IN_RUN_ID = ("steps", "db", "out", "checkpoint_every", "study", "kv_cache_mb")
+
+
+@dataclass
+class TrainConfig:
+    """What `mismatch-lab train` does; study file keys ([train] table) and flags use these names."""
+
+    model: str = "default"  # 'default' (embedded SmolLM2-135M-Instruct) or an HF checkpoint directory
+    loss: str = "dppo_binary_tv"  # one of mismatch_lab.rl.losses.OBJECTIVES
+    task: str = "arithmetic"
+    split: str = "sanity"
+    prompts_per_step: int = 4
+    samples_per_prompt: int = 4  # group size of the baseline, >= 2
+    max_tokens: int = 32
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0  # grad/norm/value is logged before clipping
+    minibatches: int = 1  # optimizer steps per rollout batch; > 1 makes later mini-batches off-policy
+    normalize_std: bool = True  # GRPO advantages; False is Dr. GRPO
+    bad_update_delta: float = 0.5  # δ of bad_update_metrics (the DPPO paper plots 0.5)
+    steps: int = 8
+    seed: int = 0
+    rollout_dtype: str = "bf16"
+    trainer_dtype: str = "fp32"
+    checkpoint_every: int = 4
+    db: str = "runs/train.duckdb"
+    out: str = "runs"  # checkpoints go to <out>/<run_id>/checkpoint.pt (runs/ is git-ignored)
+    study: str = "adhoc"
+    kv_cache_mb: int = 1024
+    # LossConfig fields (defaults as in LossConfig; see docs/rl.md)
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    delta: float | None = None
+    is_cap: float = math.inf
+    tis_cap: float = 3.0
+    cispo_eps_low: float = 1.0
+    cispo_eps_high: float = 2.0
+    aggregation: str = "token-mean"
+    constant_norm: float | None = None
+    anchor: str = "rollout"
+    topk: int = 20
+
+    def loss_config(self):
+        from mismatch_lab.rl.losses import LossConfig
+
+        try:
+            return LossConfig(**{k: getattr(self, k) for k in LOSS_FIELDS})
+        except ValueError as exc:
+            raise UserError(str(exc)) from exc
+
+    def validate(self) -> None:
+        from mismatch_lab.rl.losses import OBJECTIVES
+        from mismatch_lab.rl.tasks import TASKS
+
+        if self.loss not in OBJECTIVES:
+            raise UserError(f"--loss {self.loss}: unknown objective; use one of {', '.join(OBJECTIVES)}")
+        if self.task not in TASKS:
+            raise UserError(f"task {self.task!r}: unknown; use one of {', '.join(TASKS)}")
+        task = TASKS[self.task]
+        if self.split not in task.SPLITS:
+            raise UserError(f"--split {self.split}: unknown; use one of {', '.join(task.SPLITS)}")
+        for d, flag in ((self.rollout_dtype, "--rollout-dtype"), (self.trainer_dtype, "--trainer-dtype")):
+            if d not in DTYPES:
+                raise UserError(f"{flag} {d}: use one of {', '.join(DTYPES)}")
+        for name in ("prompts_per_step", "max_tokens", "steps", "checkpoint_every", "minibatches", "kv_cache_mb"):
+            if getattr(self, name) < 1:
+                raise UserError(f"--{name.replace('_', '-')} must be at least 1")
+        if self.samples_per_prompt < 2:
+            raise UserError("--samples-per-prompt must be at least 2: the advantage baseline is the group mean")
+        if (self.prompts_per_step * self.samples_per_prompt) % self.minibatches:
+            raise UserError(f"--minibatches {self.minibatches} must divide prompts x samples "
+                            f"= {self.prompts_per_step * self.samples_per_prompt}")
+        if not self.lr > 0:
+            raise UserError(f"--lr {self.lr} must be > 0")
+        if not 1 <= self.topk <= 20:
+            raise UserError(f"--topk {self.topk} must be in 1..20 (vLLM returns at most 20 log-probs)")
+        self.loss_config()
+
+    def run_id(self) -> str:
+        cfg = {k: v for k, v in asdict(self).items() if k not in _NOT_IN_RUN_ID}
+        key = hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode()).hexdigest()[:10]
+        return f"{self.study}-train-{self.loss}-{key}"
+
+
+def coerce(cfg: TrainConfig) -> TrainConfig:
+    """Cast study-file / flag values to the field types (TOML ints for floats, 'inf' strings); UserError if not."""
+    for f in fields(TrainConfig):
+        v = getattr(cfg, f.name)
+        if v is None:
+            continue
+        kind = f.type if isinstance(f.type, str) else f.type.__name__
+        try:
+            if kind.startswith("int"):
+                setattr(cfg, f.name, int(v))
+            elif kind.startswith("float"):
+                setattr(cfg, f.name, float(v))
+            elif kind == "bool" and isinstance(v, str):
+                setattr(cfg, f.name, v.lower() in ("1", "true", "yes"))
+        except (TypeError, ValueError) as exc:
+            raise UserError(f"{f.name} must be a number, got {v!r}") from exc
+    return cfg
+
+
+# ------------------------------------------------------------------------------------------------------
+def _pad(rows: list[list], fill, dtype):
+    import torch
+
+    width = max((len(r) for r in rows), default=0)
+    return torch.tensor([list(r) + [fill] * (width - len(r)) for r in rows], dtype=dtype)
+
+
+def response_logps(model, prompt_ids, response_ids, topk_ids=None, *, trainer_dtype: str):
+    """Trainer log-probs of the response tokens, [B, T] (right-padded; pad = 0), with gradients if enabled.
+
+    prompt_ids / response_ids: per sequence token lists; topk_ids: per sequence, per response token, the
+    rollout's top-K ids (sampled token included), or None. Logits are h @ W.T at the trainer dtype for the
+    response positions only, log-softmax in fp32 (the scorer's definition of π).
+    Returns (logp [B, T], entropy [B, T] detached, topk_logps [B, T, K] or None, valid_topk [B, T, K] or None).
+    """
+    import torch
+
+    B = len(prompt_ids)
+    full = [list(p) + list(r) for p, r in zip(prompt_ids, response_ids)]
+    ids = _pad(full, 0, torch.long)
+    attn = _pad([[1] * len(f) for f in full], 0, torch.long)
+    T = max((len(r) for r in response_ids), default=0)
+    rb, rt, tb, tt, tgt = [], [], [], [], []
+    for b, (p, r) in enumerate(zip(prompt_ids, response_ids)):
+        for j, tok in enumerate(r):  # position p predicts token p + 1
+            rb.append(b)
+            rt.append(len(p) + j - 1)
+            tb.append(b)
+            tt.append(j)
+            tgt.append(tok)
+    dev = next(model.parameters()).device
+    h = model.get_decoder()(input_ids=ids.to(dev), attention_mask=attn.to(dev)).last_hidden_state
+    h = h[torch.tensor(rb, device=dev), torch.tensor(rt, device=dev)]  # [N, H]
+    w = model.get_output_embeddings().weight
+    lp_all = torch.log_softmax((h @ w.T).float(), dim=-1)  # [N, V] fp32
+    tgt_t = torch.tensor(tgt, dtype=torch.long, device=dev)
+    logp_flat = lp_all.gather(1, tgt_t[:, None]).squeeze(1)
+    with torch.no_grad():
+        ent_flat = -(lp_all.exp() * lp_all).nan_to_num(0.0).sum(-1)
+    bi, ti = torch.tensor(tb, device=dev), torch.tensor(tt, device=dev)
+    logp = torch.zeros((B, T), dtype=torch.float32, device=dev).index_put((bi, ti), logp_flat)
+    entropy = torch.zeros((B, T), dtype=torch.float32, device=dev).index_put((bi, ti), ent_flat)
+    tk, valid = None, None
+    if topk_ids is not None:
+        K = max(len(row) for seq in topk_ids for row in seq)
+        flat = [row for seq in topk_ids for row in seq]
+        idx = _pad(flat, 0, torch.long).to(dev)  # [N, K]
+        ok = _pad([[True] * len(row) for row in flat], False, torch.bool).to(dev)
+        g = lp_all.gather(1, idx).detach()  # the top-K divergence is a hard gate: no gradient through it
+        tk = torch.zeros((B, T, K), dtype=torch.float32, device=dev).index_put((bi, ti), g)
+        valid = torch.zeros((B, T, K), dtype=torch.bool, device=dev).index_put((bi, ti), ok)
+    return logp, entropy, tk, valid
+
+
+def _combine(per_mb: list[dict]) -> dict[str, float]:
+    """Mini-batch metrics into one row: /max -> max, /min -> min, /count -> sum, anything else -> mean."""
+    out = {}
+    for k in per_mb[0]:
+        vals = [m[k] for m in per_mb if k in m]
+        if k.endswith("/max"):
+            out[k] = max(vals)
+        elif k.endswith("/min"):
+            out[k] = min(vals)
+        elif k.endswith("/count"):
+            out[k] = float(sum(vals))
+        else:
+            out[k] = sum(vals) / len(vals)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------
+def _checkpoint_path(cfg: TrainConfig, run_id: str) -> Path:
+    return Path(cfg.out) / run_id / "checkpoint.pt"
+
+
+def save_checkpoint(path: Path, model, optimizer, step: int) -> None:
+    """Model + optimizer + step + RNG, written to a temporary name and renamed: a kill leaves the old one."""
+    import torch
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save({"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                "torch_rng": torch.get_rng_state(), "python_rng": random.getstate()}, tmp)
+    os.replace(tmp, path)
+
+
+def _delete_steps_after(con, run_id: str, step: int) -> int:
+    """Remove every row of steps > `step` (redone after a resume) in one transaction; returns steps removed."""
+    n = con.execute("SELECT count(*) FROM chunks_done WHERE run_id = ? AND chunk > ?", [run_id, step]).fetchone()[0]
+    con.execute("BEGIN TRANSACTION")
+    try:
+        seqs = "SELECT seq_id FROM sequences WHERE run_id = ? AND step > ?"
+        for table in ("tokens", "scores"):
+            con.execute(f"DELETE FROM {table} WHERE run_id = ? AND seq_id IN ({seqs})", [run_id, run_id, step])
+        con.execute("DELETE FROM sequences WHERE run_id = ? AND step > ?", [run_id, step])
+        con.execute("DELETE FROM train_metrics WHERE run_id = ? AND step > ?", [run_id, step])
+        con.execute("DELETE FROM chunks_done WHERE run_id = ? AND chunk > ?", [run_id, step])
+        con.execute("COMMIT")
+    except BaseException:
+        con.execute("ROLLBACK")
+        raise
+    return n
+
+
+def problems_for_step(cfg: TrainConfig, step: int):
+    """The step's problems: distinct within the step, seeded by (seed, step) so every run sees the same data."""
+    from mismatch_lab.rl.tasks import TASKS
+
+    return TASKS[cfg.task].generate(cfg.split, cfg.prompts_per_step, seed=cfg.seed * 1_000_003 + step)
+
+
+# ------------------------------------------------------------------------------------------------------
+def train(cfg: TrainConfig, *, progress: bool = True, log=None) -> str:
+    """Run (or resume) the training run described by `cfg`; returns its run id.
+
+    `log(step, metrics)` is called after each committed step (the CLI's progress bar uses it).
+    """
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    cfg.validate()
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    from mismatch_lab.collect import (
+        TokenTexts,
+        _device_name,
+        _load_tokenizer,
+        build_tables,
+        encode_prompts,
+        sample_seed,
+    )
+    from mismatch_lab.engines.base import TORCH_DTYPES, GenRequest, make_engine
+    from mismatch_lab.models import resolve_model, weights_sha256
+    from mismatch_lab.rl.advantages import group_advantages
+    from mismatch_lab.rl.losses import TopK, bad_update_metrics, policy_loss
+    from mismatch_lab.rl.tasks import TASKS
+    from mismatch_lab.scoring import SeqScores
+    from mismatch_lab.store.writer import StoreWriter
+
+    transformers.utils.logging.disable_progress_bar()
+    task = TASKS[cfg.task]
+    loss_cfg = cfg.loss_config()
+    model_path = resolve_model(cfg.model)
+    tokenizer, model_ctx = _load_tokenizer(model_path, False)
+    run_id = cfg.run_id()
+    ckpt_path = _checkpoint_path(cfg, run_id)
+    scorer_name = f"hf:{cfg.trainer_dtype}"
+    use_topk = cfg.loss.startswith("dppo_topk")
+
+    writer = StoreWriter(cfg.db)
+    if writer.run_status(run_id) == "complete" and max(writer.done_chunks(run_id), default=0) >= cfg.steps:
+        print(f"{run_id}: already complete, nothing to do", file=sys.stderr)
+        writer.close()
+        return run_id
+
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, TORCH_DTYPES[cfg.trainer_dtype]))
+    model.train()
+    # dropout-free decoders: train() only matters for models with dropout; the loss must see the same π
+    # as the no-grad re-score, so dropout is switched off explicitly
+    for mod in model.modules():
+        if isinstance(mod, torch.nn.Dropout):
+            mod.p = 0.0
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    start = 0
+    if ckpt_path.is_file():
+        state = torch.load(ckpt_path, map_location="cpu", weights_only=False)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["torch_rng"])
+        random.setstate(state["python_rng"])
+        start = int(state["step"])
+    if start >= cfg.steps:  # the checkpoint already covers the requested steps: no engine needed
+        _delete_steps_after(writer.con, run_id, cfg.steps)
+        writer.set_status(run_id, "complete")
+        writer.close()
+        return run_id
+    redone = _delete_steps_after(writer.con, run_id, start)
+    if start or redone:
+        print(f"{run_id}: resuming after step {start} (checkpoint {ckpt_path if start else 'none'}); "
+              f"{redone} committed step(s) after it are redone", file=sys.stderr)
+
+    max_len = min(2048, model_ctx or 2048)
+    engine = make_engine("vllm", model_path, cfg.rollout_dtype, seed=cfg.seed, max_model_len=max_len,
+                         kv_cache_bytes=cfg.kv_cache_mb << 20, max_logprobs=20)
+    if start:
+        engine.load_state_dict(model.state_dict())  # the rollout policy is the checkpoint's, not the base model
+    versions = {"python": sys.version.split()[0], "torch": torch.__version__, "transformers": transformers.__version__}
+    import duckdb
+
+    versions["duckdb"] = duckdb.__version__
+    run_cfg = dict(asdict(cfg), loss_config=asdict(loss_cfg), model_resolved=model_path, run_kind="train",
+                   sampling=engine.sampling_config(), scorer=scorer_name,
+                   problems_seed="seed * 1000003 + step", rollout_seed="sample_seed(seed, step * prompts + p, s)")
+    writer.start_run(run_id, study=cfg.study, kind="train", model=model_path, weights_sha256=weights_sha256(model_path),
+                     engine="vllm", engine_dtype=cfg.rollout_dtype, device=_device_name("cpu" if not torch.cuda.is_available() else "cuda"),
+                     versions=versions, config=run_cfg)
+    texts = TokenTexts(tokenizer)
+    G = cfg.samples_per_prompt
+    try:
+        for step in range(start + 1, cfg.steps + 1):
+            t_step = time.perf_counter()
+            times = {}
+            # -- 1-2. problems and rollout ----------------------------------------------------------------
+            t0 = time.perf_counter()
+            problems = problems_for_step(cfg, step)
+            prompts = [{"id": p.id, "prompt": p.prompt} for p in problems]
+            p_ids, _ = encode_prompts(tokenizer, prompts)
+            reqs, seq_rows = [], []
+            for pi, prob in enumerate(problems):
+                for s in range(G):
+                    reqs.append(GenRequest(prompt_ids=p_ids[pi],
+                                           seed=sample_seed(cfg.seed, (step - 1) * cfg.prompts_per_step + pi, s)))
+                    seq_rows.append({"seq_id": ((step - 1) * cfg.prompts_per_step + pi) * G + s, "prompt_id": prob.id,
+                                     "sample_idx": s, "prompt_len": len(p_ids[pi])})
+            samples = engine.generate(reqs, max_tokens=cfg.max_tokens, top_k=loss_cfg.topk)
+            times["time/rollout/seconds"] = time.perf_counter() - t0
+            # -- 3. rewards and advantages ------------------------------------------------------------------
+            rewards = [task.reward(smp.text, problems[i // G].answer) for i, smp in enumerate(samples)]
+            adv, adv_metrics = group_advantages(torch.tensor(rewards), G, normalize_std=cfg.normalize_std)
+            for row, r, a in zip(seq_rows, rewards, adv.tolist()):
+                row["reward"], row["advantage"] = r, a
+            resp = [smp.token_ids for smp in samples]
+            mu_rows = [[x if math.isfinite(x) else -math.inf for x in smp.logps] for smp in samples]
+            logp_mu = _pad(mu_rows, 0.0, torch.float32)
+            mask = _pad([[True] * len(r) for r in resp], False, torch.bool)
+            tk_ids = [smp.topk_ids for smp in samples] if use_topk else None
+            # -- 4-5. score with gradients and update, per mini-batch ------------------------------------
+            n = len(samples)
+            mb = n // cfg.minibatches
+            loss_metrics, grad_norms = [], []
+            logp_before = torch.zeros_like(logp_mu)
+            entropy = torch.zeros_like(logp_mu)
+            t_score = t_update = t_loss = 0.0
+            for m in range(cfg.minibatches):
+                sl = slice(m * mb, (m + 1) * mb)
+                T_m = max((len(r) for r in resp[sl]), default=0)
+                t0 = time.perf_counter()
+                # each mini-batch is its own optimizer step with its own divisor (no cross-batch denominator)
+                lp, ent, tk_lp, tk_valid = response_logps(
+                    model, [p_ids[i // G] for i in range(sl.start, sl.stop)], resp[sl],
+                    tk_ids[sl] if tk_ids else None, trainer_dtype=cfg.trainer_dtype)
+                logp_before[sl, :T_m] = lp.detach()
+                entropy[sl, :T_m] = ent
+                topk = None
+                if use_topk:
+                    tk_mu = _pad([[row + [0.0] * (tk_lp.shape[-1] - len(row)) for row in seq]
+                                  for seq in (samples[i].topk_logps for i in range(sl.start, sl.stop))],
+                                 [0.0] * tk_lp.shape[-1], torch.float32)
+                    topk = TopK(anchor_logps=tk_mu.nan_to_num(0.0), logps=tk_lp, valid=tk_valid)
+                t_l = time.perf_counter()
+                loss, lm = policy_loss(cfg.loss, lp, logp_mu[sl, :T_m], adv[sl], mask[sl, :T_m], cfg=loss_cfg,
+                                       topk=topk, logp_old=lp.detach() if cfg.anchor == "old" else None)
+                t_loss += time.perf_counter() - t_l
+                t_score += time.perf_counter() - t0
+                t0 = time.perf_counter()
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                gn = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+                optimizer.step()
+                t_update += time.perf_counter() - t0
+                loss_metrics.append(lm)
+                grad_norms.append(float(gn))
+            times["time/score/seconds"] = t_score
+            times["time/update/seconds"] = t_update
+            times["time/loss/seconds"] = t_loss  # policy_loss forward only (inside time/score): the objective's own cost
+            # -- 6. re-score after the step (no grad): bad updates ----------------------------------------
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                lp_after, _, _, _ = response_logps(model, [p_ids[i // G] for i in range(n)], resp,
+                                                   trainer_dtype=cfg.trainer_dtype)
+            T = logp_mu.shape[1]
+            bad = bad_update_metrics(lp_after[:, :T], logp_mu, adv, mask, delta=cfg.bad_update_delta)
+            bad_pi = bad_update_metrics(lp_after[:, :T], logp_before, adv, mask, delta=cfg.bad_update_delta)
+            times["time/rescore/seconds"] = time.perf_counter() - t0
+            # -- 7. push the new weights into the rollout engine --------------------------------------------
+            t0 = time.perf_counter()
+            engine.load_state_dict(model.state_dict())
+            times["time/sync/seconds"] = time.perf_counter() - t0
+            # -- 8. one atomic write: sequences, tokens, scores and metrics of this step --------------------
+            maskf = mask.float()
+            n_tok = float(maskf.sum())
+            metrics = dict(_combine(loss_metrics))
+            metrics.update(adv_metrics)
+            metrics.update({
+                "reward/accuracy/mean": sum(r == 1.0 for r in rewards) / n,
+                "response/length/mean": n_tok / n,
+                "response/length/max": float(max(len(r) for r in resp)),
+                "response/truncated/frac": sum(smp.finish_reason == "length" for smp in samples) / n,
+                "entropy/mean": float((entropy * maskf).sum() / max(n_tok, 1.0)),
+                "grad/norm/value": sum(grad_norms) / len(grad_norms),
+                "grad/norm/max": max(grad_norms),
+                "lr/value": cfg.lr,
+            })
+            metrics.update(bad)
+            metrics.update({k.replace("bad_update/", "bad_update_vs_pi/"): v for k, v in bad_pi.items()})
+            scores = []
+            for i in range(n):
+                L = len(resp[i])
+                lps = [float(x) for x in logp_before[i, :L].tolist()]
+                scores.append(SeqScores(
+                    logp=[x if math.isfinite(x) else None for x in lps],
+                    entropy=[float(x) for x in entropy[i, :L].tolist()],
+                    nonfinite=[not math.isfinite(x) for x in lps]))
+            times["time/step/seconds"] = time.perf_counter() - t_step
+            metrics.update(times)
+            seqs, toks, scs = build_tables(run_id, seq_rows, samples, {scorer_name: scores}, texts, step=step)
+            writer.write_chunk(run_id, step, sequences=seqs, tokens=toks, scores=scs,
+                               seconds=time.perf_counter() - t_step,
+                               metrics=[(step, k, float(v)) for k, v in sorted(metrics.items())])
+            if step % cfg.checkpoint_every == 0 or step == cfg.steps:
+                save_checkpoint(ckpt_path, model, optimizer, step)
+            if log is not None:
+                log(step, metrics)
+        writer.set_status(run_id, "complete")
+    except BaseException:
+        if writer.run_status(run_id) == "running":
+            writer.set_status(run_id, "failed")
+        raise
+    finally:
+        engine.close()
+        writer.close()
+    return run_id
