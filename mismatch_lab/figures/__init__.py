@@ -1,0 +1,12 @@
+"""Paper-style figures regenerated from a stored study (matplotlib, Agg backend; no torch, no vLLM).
+
+    figures.py   one function per figure (FIGURES), each reading an `open_store` connection and returning
+                 [(file stem, matplotlib Figure)] or raising Skip when the store lacks its data
+    command.py   `mismatch-lab figures studies/<name>` | `mismatch-lab figures --all`
+
+docs/figures.md lists the figures and the claim each one checks.
+"""
+
+from mismatch_lab.figures.figures import FIGURES, Skip
+
+__all__ = ["FIGURES", "Skip"]

@@ -1,0 +1,95 @@
+"""Export a store to compact Parquet: `<out>/<table>.parquet` (zstd) for every table of `schema.TABLES`.
+
+    mismatch-lab export --db studies/precision-sweep/precision-sweep.duckdb --out studies/precision-sweep/results
+
+The source is read through `reader.open_store`, so exporting while a collect still writes the file reads a
+consistent snapshot of what was committed (the collect never waits), and a Parquet directory or a study
+directory can be re-exported too. Rows are written ordered by (run_id, seq_id, pos) where a table has those
+columns: neighbouring rows then share run ids and positions, which zstd compresses far better. Each file
+is written to a temporary name in `out` and renamed when complete, so an interrupted export never leaves a
+half-written `<table>.parquet` that a reader would take for the store. `open_store(out)` reads the result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+from mismatch_lab.errors import UserError
+from mismatch_lab.store.reader import open_store
+from mismatch_lab.store.schema import TABLES
+
+ORDER_COLUMNS = ("run_id", "seq_id", "pos", "scorer", "step", "name", "chunk", "key")
+"""Sort keys, in this order, used where the table has them (scorer after pos: the rows of one token sit
+together in `scores`)."""
+
+
+def _columns(con, table: str) -> list[str]:
+    rows = con.execute(
+        "SELECT column_name FROM information_schema.columns WHERE table_name = ? AND table_schema = 'main' "
+        "ORDER BY ordinal_position",
+        [table],
+    ).fetchall()
+    return [r[0] for r in rows]
+
+
+def export(db_path: str | Path, out_dir: str | Path, *, progress=None) -> dict[str, int]:
+    """Write every table of the store at `db_path` (anything `open_store` accepts) to
+    `out_dir/<table>.parquet` with zstd compression; returns table -> rows written. A table the source
+    lacks is written empty with the contract's columns (the reader fills absent ones with NULL anyway).
+    `progress(table, rows, seconds)` is called after each table."""
+    out = Path(out_dir).expanduser()
+    src = Path(db_path).expanduser()
+    if src.is_dir() and out.resolve() in (src.resolve(), (src / "results").resolve()):
+        raise UserError(f"--out {out} is where the source is read from; export into a different folder")
+    con = open_store(src)
+    out.mkdir(parents=True, exist_ok=True)
+    counts: dict[str, int] = {}
+    try:
+        for table in TABLES:
+            t0 = time.perf_counter()
+            cols = _columns(con, table)
+            if not cols:
+                raise UserError(f"{src} has no table {table!r}; is it a mismatch-lab store?")
+            order = [c for c in ORDER_COLUMNS if c in cols]
+            order_sql = f" ORDER BY {', '.join(order)}" if order else ""
+            final = out / f"{table}.parquet"
+            tmp = out / f".{table}.parquet.tmp-{os.getpid()}"
+            path_sql = "'" + str(tmp).replace("'", "''") + "'"
+            try:
+                con.execute(
+                    f"COPY (SELECT * FROM {table}{order_sql}) TO {path_sql} "
+                    "(FORMAT parquet, COMPRESSION zstd, ROW_GROUP_SIZE 122880)"
+                )
+                os.replace(tmp, final)
+            finally:
+                if tmp.exists():
+                    tmp.unlink()
+            counts[table] = int(con.execute(f"SELECT count(*) FROM {table}").fetchone()[0])
+            if progress is not None:
+                progress(table, counts[table], time.perf_counter() - t0)
+    finally:
+        con.close()
+    return counts
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--db", required=True, help="the store: a .duckdb file (a running collect is fine), "
+                        "a Parquet directory or a study directory")
+    parser.add_argument("--out", required=True, help="output directory, e.g. studies/<name>/results")
+
+
+def run(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+
+    def show(table: str, rows: int, seconds: float) -> None:
+        size = (out / f"{table}.parquet").stat().st_size
+        print(f"  {table:<16} {rows:>11,} rows  {size / 1e6:8.2f} MB  {seconds:5.1f} s", flush=True)
+
+    print(f"export {args.db} -> {out}/<table>.parquet (zstd)")
+    counts = export(args.db, out, progress=show)
+    total = sum((out / f"{t}.parquet").stat().st_size for t in counts)
+    print(f"done: {len(counts)} tables, {sum(counts.values()):,} rows, {total / 1e6:.2f} MB")
+    return 0
