@@ -44,6 +44,7 @@ class CollectConfig:
     chunk_prompts: int = 8  # prompts per committed unit of work
     gen_batch: int = 0  # requests per engine call; 0 = the whole chunk (batch invariance studies vary it)
     score_chunk_rows: int = 1024  # rows per chunk of the scorer's vocabulary projection
+    score_batch_tokens: int = 8192  # padded tokens per scorer forward (batch composition of the trainer side)
     max_model_len: int = 2048  # context used by the engines (capped at the model's own)
     device: str = ""  # '' = cuda if available else cpu
     trust_remote_code: bool = False
@@ -60,7 +61,7 @@ class CollectConfig:
             parse_scorers(self.scorer_dtypes)
         except ValueError as exc:
             raise UserError(str(exc)) from exc
-        for name in ("samples", "max_tokens", "chunk_prompts", "score_chunk_rows", "max_model_len"):
+        for name in ("samples", "max_tokens", "chunk_prompts", "score_chunk_rows", "score_batch_tokens", "max_model_len"):
             if int(getattr(self, name)) < 1:
                 raise UserError(f"--{name.replace('_', '-')} must be at least 1")
         if self.top_k < 0 or self.top_k > 20:
@@ -87,7 +88,8 @@ def load_config(args) -> CollectConfig:
             setattr(cfg, k, v)
     cfg.rollout_dtypes = _split_list(cfg.rollout_dtypes)
     cfg.scorer_dtypes = _split_list(cfg.scorer_dtypes)
-    for k in ("samples", "max_tokens", "top_k", "seed", "chunk_prompts", "gen_batch", "score_chunk_rows", "max_model_len"):
+    for k in ("samples", "max_tokens", "top_k", "seed", "chunk_prompts", "gen_batch", "score_chunk_rows",
+              "score_batch_tokens", "max_model_len"):
         try:
             setattr(cfg, k, int(getattr(cfg, k)))
         except (TypeError, ValueError) as exc:
@@ -432,7 +434,8 @@ def _load_tokenizer(model: str, trust_remote_code: bool):
 def _make_scorer(model, dtypes, device, cfg):
     from mismatch_lab.scoring import HFScorer
 
-    return HFScorer(model, dtypes, device=device, top_k=cfg.top_k, chunk_rows=cfg.score_chunk_rows)
+    return HFScorer(model, dtypes, device=device, top_k=cfg.top_k, chunk_rows=cfg.score_chunk_rows,
+                    batch_tokens=cfg.score_batch_tokens)
 
 
 def _engine(cache: dict, name: str, model: str, dtype: str, cfg: CollectConfig, max_len: int, device: str):
@@ -494,6 +497,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--chunk-prompts", dest="chunk_prompts", type=int, help="prompts per committed chunk (default 8)")
     parser.add_argument("--gen-batch", dest="gen_batch", type=int, help="requests per engine call (default: whole chunk)")
     parser.add_argument("--score-chunk-rows", dest="score_chunk_rows", type=int, help="scorer rows per vocab chunk (1024)")
+    parser.add_argument("--score-batch-tokens", dest="score_batch_tokens", type=int,
+                        help="padded tokens per scorer forward (8192; 1 = one sequence per forward)")
     parser.add_argument("--max-model-len", dest="max_model_len", type=int, help="engine context length (default 2048)")
     parser.add_argument("--device", help="cpu | cuda (default: cuda when available)")
     parser.add_argument("--trust-remote-code", dest="trust_remote_code", action="store_true", default=None)

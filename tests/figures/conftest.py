@@ -3,7 +3,8 @@
 `figure_study` is `<tmp>/studies/tiny/` with `results/<table>.parquet` written by `mismatch-lab export`
 from a synthetic store holding: two collect rollouts (vllm:bf16 at gen_batch 0 = whole chunk, vllm:fp16),
 a third collect run repeating vllm:bf16 at gen_batch 1 in which `CHANGED_SEQUENCES` sequences differ by one
-token (the batch-invariance answer), three scorers with top-K and exact TV, rewards, and a training run
+token (the batch-invariance answer), a fourth repeating it with another scorer batch composition in which
+only hf:bf16's log-probs move, by `SCORER_SHIFT` (the scorer-batching answer), three scorers with top-K and exact TV, rewards, and a training run
 with a loss name and a reward series.
 """
 
@@ -33,6 +34,7 @@ SPEC = SyntheticSpec(
 )
 CHUNK = {"chunk_prompts": 3, "samples": 4}  # gen_batch 0 = the whole chunk = 12 requests
 CHANGED_SEQUENCES = 3  # sequences of the batch-1 run that differ from the whole-chunk run
+SCORER_SHIFT = 2e-3  # hf:bf16 log pi shift of the run scored one sequence per forward
 
 
 def batch_variant(frames: dict[str, pd.DataFrame]) -> dict[str, pd.DataFrame]:
@@ -56,10 +58,21 @@ def batch_variant(frames: dict[str, pd.DataFrame]) -> dict[str, pd.DataFrame]:
     toks.loc[hit, "token_id"] = (toks.loc[hit, "token_id"].astype(int) + 1) % 40
     toks["logp_rollout"] = toks["logp_rollout"].astype("Float64") - 1e-3
     seqs["run_id"], toks["run_id"] = new_id, new_id
+    # the whole-chunk run again, scored one sequence per forward: same tokens, hf:bf16 scores shifted
+    sid = src["run_id"] + "-score1"
+    rescored = src.copy()
+    rescored["run_id"] = sid
+    rescored["config"] = json.dumps({**CHUNK, "gen_batch": 0, "scorer": {"batch_tokens": 1, "chunk_rows": 1024}})
+    runs = pd.concat([runs, rescored.to_frame().T], ignore_index=True)
+    seqs2 = frames["sequences"][frames["sequences"]["run_id"] == src["run_id"]].assign(run_id=sid)
+    toks2 = frames["tokens"][frames["tokens"]["run_id"] == src["run_id"]].assign(run_id=sid)
+    sc2 = frames["scores"][frames["scores"]["run_id"] == src["run_id"]].assign(run_id=sid)
+    sc2["logp"] = sc2["logp"].astype("Float64") + np.where(sc2["scorer"] == "hf:bf16", SCORER_SHIFT, 0.0)
     out = dict(frames)
     out["runs"] = runs
-    out["sequences"] = pd.concat([frames["sequences"], seqs], ignore_index=True)
-    out["tokens"] = pd.concat([frames["tokens"], toks], ignore_index=True)
+    out["sequences"] = pd.concat([frames["sequences"], seqs, seqs2], ignore_index=True)
+    out["tokens"] = pd.concat([frames["tokens"], toks, toks2], ignore_index=True)
+    out["scores"] = pd.concat([frames["scores"], sc2], ignore_index=True)
     steps = np.arange(SPEC.train_steps)
     reward = pd.DataFrame({"run_id": "synthetic-train", "step": steps, "name": "reward/mean", "value": 0.5 + 0.01 * steps})
     out["train_metrics"] = pd.concat([frames["train_metrics"], reward], ignore_index=True)
@@ -70,6 +83,12 @@ def batch_variant(frames: dict[str, pd.DataFrame]) -> dict[str, pd.DataFrame]:
 def changed_sequences() -> int:
     """How many sequences of the batch-1 run differ from the whole-chunk run (the planted answer)."""
     return CHANGED_SEQUENCES
+
+
+@pytest.fixture(scope="session")
+def scorer_shift() -> float:
+    """How far hf:bf16's log pi moved in the run scored one sequence per forward (the planted answer)."""
+    return SCORER_SHIFT
 
 
 @pytest.fixture(scope="session")

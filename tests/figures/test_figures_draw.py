@@ -70,6 +70,17 @@ def test_batch_invariance_figure_shows_the_planted_share(drawn, figure_store, ch
     assert dlogp == pytest.approx(1e-3, rel=1e-6)
 
 
+def test_batch_invariance_figure_shows_the_planted_scorer_shift(drawn, scorer_shift):
+    """The run re-scored one sequence per forward moved only hf:bf16's log pi, by the planted shift."""
+    ax = drawn["fig7_batch_invariance"].axes[2]
+    assert "scorer" in ax.get_title()
+    heights = {c.get_label(): [p.get_height() for p in c.patches] for c in ax.containers}
+    assert heights["hf:bf16"] == [pytest.approx(scorer_shift, rel=1e-6)]
+    assert heights["hf:fp32"] == [0.0] and heights["hf:fp16"] == [0.0]
+    shares = sorted(t.get_text() for t in ax.texts)
+    assert shares == ["0% =", "100% =", "100% ="]
+
+
 def test_figure_statistics_match_the_analysis(drawn, figure_study):
     """Fig. 3's bars are the precision table's numbers (mean |dp| per pair), not re-derived ones."""
     from mismatch_lab.analysis.precision import precision_table
