@@ -137,6 +137,40 @@ def precision_of(path: str | None = None):
     return _call(path or store(), precision.precision_table)
 
 
+class _PairRows:
+    """One pair's rollout rows joined once into a temporary table on a cursor of their own (the join of
+    tokens and scores is most of a volatility pass), so that every bucketing of the pair -- a new bucket
+    count, scale or ε -- is a GROUP BY over that table instead of a new join. A lock serialises the
+    sessions that share it (a DuckDB cursor must not be used by two threads at once)."""
+
+    def __init__(self, path: str, rollout: str, scorer: str):
+        from mismatch_lab.analysis.relations import Filters
+        from mismatch_lab.analysis.rows import Rows
+
+        self.lock = threading.Lock()
+        self.cursor = _connection(path).cursor()
+        self.rows = Rows(self.cursor, Filters.make(rollout, scorer), materialize=True)
+
+    def __del__(self):  # the temporary table lives as long as its cursor
+        try:
+            self.cursor.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+@st.cache_resource(ttl=TTL_S, show_spinner="Joining the pair's tokens…", max_entries=64)
+def _pair_rows(path: str, rollout: str, scorer: str) -> _PairRows:
+    return _PairRows(path, rollout, scorer)
+
+
+@st.cache_data(ttl=TTL_S, show_spinner="Querying…", max_entries=512)
+def _volatility(path: str, rollout: str, scorer: str, buckets: str, n_buckets: int, eps_low: float, eps_high: float):
+    pair = _pair_rows(path, rollout, scorer)
+    with pair.lock:
+        return volatility.volatility_table(pair.cursor, rollout=rollout, scorer=scorer, buckets=buckets,
+                                           n_buckets=n_buckets, eps_low=eps_low, eps_high=eps_high, _rows=pair.rows)
+
+
 def volatility_of(
     rollout: str,
     scorer: str,
@@ -146,17 +180,9 @@ def volatility_of(
     eps_high: float = definitions.EPS_HIGH,
     path: str | None = None,
 ):
+    """The volatility table of one pair, computed from the pair's joined rows (`_PairRows`)."""
     n = n_buckets or (definitions.N_LINEAR_BUCKETS if buckets == "linear" else definitions.N_LOG_BUCKETS)
-    return _call(
-        path or store(),
-        volatility.volatility_table,
-        rollout=rollout,
-        scorer=scorer,
-        buckets=buckets,
-        n_buckets=int(n),
-        eps_low=float(eps_low),
-        eps_high=float(eps_high),
-    )
+    return _volatility(path or store(), rollout, scorer, buckets, int(n), float(eps_low), float(eps_high))
 
 
 def clipping_of(rollout: str, scorer: str, path: str | None = None):

@@ -82,7 +82,7 @@ def load_config(args) -> CollectConfig:
     names = {f.name for f in fields(CollectConfig)}
     if args.study:
         apply_study(cfg, args.study, "collect", names, path_keys=("prompts", "db"))
-    for k in names:
+    for k in names - {"study"}:  # --study is the study file; the study's name is its folder's (apply_study)
         v = getattr(args, k, None)
         if v is not None:
             setattr(cfg, k, v)

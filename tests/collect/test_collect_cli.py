@@ -194,6 +194,25 @@ def test_a_second_writer_gets_a_clear_error_not_a_hang(tmp_path, capsys):
         holder.wait()
 
 
+def test_a_study_file_names_the_study_and_flags_override_it(tmp_path):
+    import argparse
+
+    from mismatch_lab.collect import add_arguments, load_config
+
+    study = tmp_path / "studies" / "my-sweep"
+    study.mkdir(parents=True)
+    _prompts(study / "p.jsonl", 2)
+    (study / "study.toml").write_text(
+        '[collect]\nprompts = "p.jsonl"\nsamples = 3\nscore_batch_tokens = 512\nrollout_dtypes = ["bf16"]\n')
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    cfg = load_config(parser.parse_args(["--study", str(study / "study.toml"), "--samples", "5"]))
+    # the run ids and runs.study carry the folder's name, not the path given to --study
+    assert cfg.study == "my-sweep"
+    assert Path(cfg.db) == study / "my-sweep.duckdb" and Path(cfg.prompts) == (study / "p.jsonl").resolve()
+    assert (cfg.samples, cfg.score_batch_tokens, cfg.rollout_dtypes) == (5, 512, ["bf16"])
+
+
 # ------------------------------------------------------------------------------------ the embedded model
 @pytest.mark.slow
 def test_on_the_embedded_model_the_mismatch_orders_bf16_over_fp16_over_fp32(tmp_path, embedded_model):
