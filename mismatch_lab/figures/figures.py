@@ -733,6 +733,7 @@ def fig7_batch_invariance(con: duckdb.DuckDBPyConnection, rows: Rows | None = No
             "(runs.config gen_batch; 0 = the whole chunk of chunk_prompts × samples requests), compared request "
             "by request on (prompt_id, sample_idx) against the run of the smallest batch size of the same rollout: "
             + "; ".join(f"{r.rollout} batch {r.b0} vs {r.batch}: n = {int(r.n_seq):,} sequences, "
+                        f"{100 * r.frac_identical:.0f} % identical, mean |Δ log μ| {r.abs_dlogp_mean:.2g} over "
                         f"{int(r.n_tok or 0):,} prefix tokens" for r in res.itertuples())
             + ". |Δ log μ| is averaged over the positions before the first differing token (identical prefixes); "
             "the hollow point is the reference run itself (100 %, 0 by definition).")
@@ -761,7 +762,8 @@ def fig7_batch_invariance(con: duckdb.DuckDBPyConnection, rows: Rows | None = No
             "chunk (rows per chunk), compared per scorer on the shared prefix against the default setting "
             "(8192 tokens per forward, 1024 rows per chunk); the label above a bar is the share of bit-identical "
             "log π: " + "; ".join(f"{r.scorer} {r.rollout} b{r.batch} {_setting_label(r.setting)}: n = "
-                                  f"{int(r.n_tok):,} tokens, max |Δ log π| {r.abs_dlogp_max:.2g}"
+                                  f"{int(r.n_tok):,} tokens, {100 * r.frac_identical:.0f} % bit-identical, mean "
+                                  f"|Δ log π| {r.abs_dlogp_mean:.2g}, max {r.abs_dlogp_max:.2g}"
                                   for r in sres.itertuples()) + ".")
     title = "Batch invariance of the rollout engine and the trainer's scorer"
     return [("fig7_batch_invariance", _finish(fig, title, " ".join(parts)))]
