@@ -7,6 +7,7 @@
     mismatch-lab app --study studies/precision-sweep
     mismatch-lab model prepare
     mismatch-lab export --db X.duckdb --out studies/x/results
+    mismatch-lab runs --db X.duckdb [--drop RUN_ID]
 
 Each subcommand lives in its own module exposing `add_arguments(parser)` and `run(args) -> int`; the
 module is imported only when its subcommand runs, so `mismatch-lab analyze` never imports torch.
@@ -30,6 +31,7 @@ SUBCOMMANDS = {
     "app": ("mismatch_lab.app_command", "start the Streamlit app"),
     "model": ("mismatch_lab.models", "prepare the embedded default model (SmolLM2-135M-Instruct)"),
     "export": ("mismatch_lab.store.parquet", "export a DuckDB store to compact Parquet (zstd)"),
+    "runs": ("mismatch_lab.store.runs_command", "list the runs of a DuckDB store, or drop one with all its rows"),
 }
 
 

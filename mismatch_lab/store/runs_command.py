@@ -1,0 +1,98 @@
+"""List the runs of a store, or drop one with every row it owns.
+
+    mismatch-lab runs --db studies/precision-sweep/precision-sweep.duckdb
+    mismatch-lab runs --db studies/precision-sweep/precision-sweep.duckdb --drop <run_id>
+
+The listing gives, per run: kind, rollout engine:dtype, status, committed chunks, sequences, response
+tokens and the scorers present in `scores`. Dropping deletes the run's rows from every table of the
+contract that has a `run_id` column (runs, sequences, tokens, scores, train_metrics, chunks_done,
+skipped_prompts) in one transaction: either all of them go or none. Use it for a run that was stopped
+and will not be resumed, or one superseded by a complete re-run, before `mismatch-lab export`.
+A run still being written ('running' in a store another process holds) cannot be dropped: the writer
+holds the file's lock, and the command says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from mismatch_lab.errors import UserError
+from mismatch_lab.store.schema import TABLES
+from mismatch_lab.store.writer import connect_writer
+
+RUN_TABLES = tuple(t for t in TABLES if t != "meta")
+"""The contract tables keyed by run_id: a run's rows live in each of these."""
+
+
+def list_runs(con) -> list[dict]:
+    """One dict per run, oldest first: run_id, kind, rollout, status, chunks, sequences, tokens, scorers."""
+    rows = con.execute(
+        """
+        SELECT r.run_id, r.kind, r.engine || ':' || r.engine_dtype AS rollout, r.status,
+               (SELECT count(*) FROM chunks_done c WHERE c.run_id = r.run_id) AS chunks,
+               (SELECT count(*) FROM sequences q WHERE q.run_id = r.run_id) AS sequences,
+               (SELECT count(*) FROM tokens t WHERE t.run_id = r.run_id) AS tokens,
+               (SELECT string_agg(DISTINCT s.scorer, ',' ORDER BY s.scorer) FROM scores s
+                 WHERE s.run_id = r.run_id) AS scorers
+        FROM runs r ORDER BY r.created_at, r.run_id
+        """
+    ).fetchall()
+    keys = ("run_id", "kind", "rollout", "status", "chunks", "sequences", "tokens", "scorers")
+    return [dict(zip(keys, r)) for r in rows]
+
+
+def drop_run(con, run_id: str) -> dict[str, int]:
+    """Delete every row of `run_id` from the run-keyed tables in one transaction; returns table -> rows
+    deleted. UserError naming the runs present if the store has no such run."""
+    if con.execute("SELECT count(*) FROM runs WHERE run_id = ?", [run_id]).fetchone()[0] == 0:
+        present = [r[0] for r in con.execute("SELECT run_id FROM runs ORDER BY run_id").fetchall()]
+        raise UserError(f"no run {run_id!r} in this store; its runs are: {', '.join(present) or '(none)'}")
+    deleted: dict[str, int] = {}
+    con.execute("BEGIN TRANSACTION")
+    try:
+        for table in RUN_TABLES:
+            n = con.execute(f"SELECT count(*) FROM {table} WHERE run_id = ?", [run_id]).fetchone()[0]
+            con.execute(f"DELETE FROM {table} WHERE run_id = ?", [run_id])
+            deleted[table] = int(n)
+        con.execute("COMMIT")
+    except BaseException:
+        con.execute("ROLLBACK")
+        raise
+    return deleted
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--db", required=True, help="the study's .duckdb file (Parquet results are read-only: "
+                        "drop the run in the .duckdb and export again)")
+    parser.add_argument("--drop", metavar="RUN_ID", action="append", default=[],
+                        help="delete this run and all its rows (repeatable)")
+
+
+def _print_runs(runs: list[dict]) -> None:
+    if not runs:
+        print("(no runs)")
+        return
+    print(f"{'run_id':<52} {'kind':<8} {'rollout':<10} {'status':<9} {'chunks':>6} {'seqs':>7} {'tokens':>9}  scorers")
+    for r in runs:
+        print(f"{r['run_id']:<52} {r['kind'] or '':<8} {r['rollout'] or '':<10} {r['status'] or '':<9} "
+              f"{r['chunks']:>6} {r['sequences']:>7} {r['tokens']:>9}  {r['scorers'] or '-'}")
+
+
+def run(args: argparse.Namespace) -> int:
+    path = Path(args.db).expanduser()
+    if path.is_dir() or path.suffix != ".duckdb":
+        raise UserError(f"--db {path} is not a .duckdb file; runs are listed and dropped in the study's DuckDB "
+                        "store (Parquet results are an export of it)")
+    if not path.exists():
+        raise UserError(f"--db {path} does not exist; pass the .duckdb file `mismatch-lab collect` wrote")
+    con = connect_writer(path)
+    try:
+        for run_id in args.drop:
+            deleted = drop_run(con, run_id)
+            parts = ", ".join(f"{t} {n:,}" for t, n in deleted.items() if n)
+            print(f"dropped {run_id}: {parts} rows")
+        _print_runs(list_runs(con))
+    finally:
+        con.close()
+    return 0
