@@ -259,6 +259,8 @@ def collect(cfg: CollectConfig, *, progress: bool = True) -> list[str]:
     """Run the collection described by `cfg`; returns the run ids (one per rollout dtype)."""
     import os
 
+    # engine start-up prints its whole config at INFO per engine; keep warnings (set the variable to see it)
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from mismatch_lab.models import resolve_model, weights_sha256

@@ -21,6 +21,8 @@ from mismatch_lab.engines.base import TORCH_DTYPES, GenRequest, Sample
 
 
 def _import_vllm():
+    # engine start-up prints its whole config at INFO per engine; keep warnings (set the variable to see it)
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     try:
         import vllm  # noqa: F401
