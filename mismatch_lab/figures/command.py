@@ -21,6 +21,13 @@ FORMATS = ("png", "pdf")
 DPI = 110
 
 
+def _metadata(fmt: str) -> dict:
+    """File metadata without a creation date, so regenerating unchanged data gives byte-identical files."""
+    if fmt == "pdf":
+        return {"Creator": "mismatch-lab figures", "CreationDate": None}
+    return {"Creator": "mismatch-lab figures"}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("studies", nargs="*", help="study directories (studies/<name>), results/ directories "
                         "or .duckdb files")
@@ -75,7 +82,7 @@ def draw_study(study: str | Path, out: str | Path | None = None, *, only=None, f
                 paths = []
                 for fmt in formats:
                     path = out / f"{stem}.{fmt}"
-                    fig.savefig(path, dpi=DPI, metadata={"Creator": "mismatch-lab figures"} if fmt == "png" else None)
+                    fig.savefig(path, dpi=DPI, metadata=_metadata(fmt))
                     paths.append(path)
                 written[stem] = paths
             log(f"  figure {num}: {', '.join(s for s, _ in figs)} ({time.perf_counter() - t0:.1f} s)")

@@ -103,6 +103,12 @@ def test_command_writes_png_and_pdf_for_all_studies(figure_study, capsys):
             f = out / f"{stem}.{ext}"
             assert f.is_file() and f.stat().st_size > 1000, f
     assert "done: 1 studies" in capsys.readouterr().out
+    # committed figures must not change when the data has not: no creation date in the files
+    first = {f.name: f.read_bytes() for f in out.iterdir()}
+    assert main(["figures", str(figure_study), "--only", "3"]) == 0
+    again = {f.name: f.read_bytes() for f in out.iterdir()}
+    assert again["fig3_precision_summary.pdf"] == first["fig3_precision_summary.pdf"]
+    assert again["fig3_precision_summary.png"] == first["fig3_precision_summary.png"]
 
 
 def test_absent_data_is_skipped_with_a_note(plain_study, capsys):
