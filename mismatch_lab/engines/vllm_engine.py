@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 from mismatch_lab.engines.base import TORCH_DTYPES, GenRequest, Sample
 
@@ -25,7 +25,7 @@ def _import_vllm():
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     try:
-        import vllm  # noqa: F401
+        import vllm
     except ImportError as exc:  # pragma: no cover - depends on the machine
         from mismatch_lab.errors import UserError
 
@@ -50,12 +50,12 @@ class VLLMEngine:
         self.seed = seed
         self.max_model_len = max_model_len
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        kwargs = dict(
-            model=model, dtype=TORCH_DTYPES[dtype], seed=seed, max_model_len=max_model_len,
-            enforce_eager=True,  # torch.compile costs ~60 s start on CPU for ~3 % speed
-            max_logprobs=max(20, max_logprobs), logprobs_mode=self.logprobs_mode,
-            enable_prefix_caching=True,
-        )
+        kwargs = {
+            "model": model, "dtype": TORCH_DTYPES[dtype], "seed": seed, "max_model_len": max_model_len,
+            "enforce_eager": True,  # torch.compile costs ~60 s start on CPU for ~3 % speed
+            "max_logprobs": max(20, max_logprobs), "logprobs_mode": self.logprobs_mode,
+            "enable_prefix_caching": True,
+        }
         if self.device == "cpu":
             kwargs["kv_cache_memory_bytes"] = kv_cache_bytes  # a fraction of NUMA node 0 otherwise
         else:
@@ -137,7 +137,7 @@ class VLLMEngine:
         if "lm_head.weight" not in sd and "model.embed_tokens.weight" in sd:
             sd["lm_head.weight"] = sd["model.embed_tokens.weight"]  # tied embeddings: vLLM wants both
         items = [(k, v.detach().to("cpu") if self.device == "cpu" else v.detach()) for k, v in sd.items()]
-        self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=iter(items), is_checkpoint_format=True))
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(items), "is_checkpoint_format": True})
         self.llm.reset_prefix_cache()  # stale prefix KV from old weights gave logprobs off by 0.57
 
     def close(self) -> None:

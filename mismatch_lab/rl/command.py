@@ -14,9 +14,8 @@ import sys
 import time
 from dataclasses import fields
 
-
-from mismatch_lab.studyfile import apply_study
 from mismatch_lab.rl.loop import TrainConfig, coerce
+from mismatch_lab.studyfile import apply_study
 
 _HELP = {
     "model": "'default' (embedded SmolLM2-135M-Instruct) or an HF checkpoint directory",

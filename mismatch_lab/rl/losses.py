@@ -291,7 +291,7 @@ def policy_loss(
     if name not in OBJECTIVES:
         raise ValueError(f"unknown objective {name!r}; choose one of {', '.join(OBJECTIVES)}")
     if not isinstance(cfg, LossConfig):
-        raise ValueError(f"cfg must be a LossConfig, not {type(cfg).__name__}")
+        raise ValueError(f"cfg must be a LossConfig, not {type(cfg).__name__}")  # noqa: TRY004 - one error type for bad input
     adv = _check_inputs(logp, logp_rollout, advantages, mask)
     valid = mask
     n_valid = int(valid.sum())
@@ -438,7 +438,7 @@ def _check_inputs(logp, logp_rollout, advantages, mask) -> torch.Tensor:
     if mask.dtype != torch.bool:
         raise ValueError(f"mask must be a bool tensor (True on response tokens), not {mask.dtype}; pass mask.bool()")
     if not isinstance(advantages, torch.Tensor):
-        raise ValueError(f"advantages must be a tensor [B] or [B, T], not {type(advantages).__name__}")
+        raise ValueError(f"advantages must be a tensor [B] or [B, T], not {type(advantages).__name__}")  # noqa: TRY004
     if advantages.shape == logp.shape:
         return advantages
     if advantages.dim() == 1 and advantages.shape[0] == logp.shape[0]:

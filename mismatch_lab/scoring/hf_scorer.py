@@ -12,8 +12,8 @@ forward computes, minus the [B, T, V] logits tensor.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 from mismatch_lab.engines.base import TORCH_DTYPES
 

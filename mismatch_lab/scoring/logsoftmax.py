@@ -105,7 +105,7 @@ def chunked_row_stats(
     res = {}
     for s in names:
         o = out[s]
-        cat = lambda key, shape=(0,): torch.cat(o[key]) if o[key] else torch.empty(shape)  # noqa: E731
+        cat = lambda key, shape=(0,), o=o: torch.cat(o[key]) if o[key] else torch.empty(shape)
         res[s] = RowStats(
             logp=cat("logp"), entropy=cat("entropy"),
             topk_ids=cat("ti", (0, 0)).long() if top_k > 0 else torch.empty((n, 0), dtype=torch.long),

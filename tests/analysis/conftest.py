@@ -6,7 +6,6 @@ numpy and plain Python loops and no SQL, so each test compares the SQL analyses 
 
 from __future__ import annotations
 
-
 import pytest
 
 from mismatch_lab.store.reader import open_store

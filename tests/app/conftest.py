@@ -17,11 +17,10 @@ from pathlib import Path
 import duckdb
 import numpy as np
 import pytest
+from app_paths import APP, REPO  # noqa: F401
 
 from mismatch_lab.categories import categorize
 from mismatch_lab.store.schema import TABLES, create_schema
-
-from app_paths import APP, REPO  # noqa: E402,F401
 
 VOCAB = [
     " The",

@@ -241,7 +241,7 @@ def test_rewards_score_the_last_number_of_each_reply_against_the_answer(tmp_path
     w = StoreWriter(tmp_path / "r.duckdb")
     seqs = to_arrow("sequences", {"run_id": ["r"] * 3, "seq_id": [0, 1, 2], "prompt_id": ["a", "a", "chat"],
                                   "response_text": ["7 + 5 = 12.", "It is 13", "hello"]})
-    empty = lambda t: to_arrow(t, {"run_id": []})  # noqa: E731
+    empty = lambda t: to_arrow(t, {"run_id": []})
     w.write_chunk("r", 0, sequences=seqs, tokens=empty("tokens"), scores=empty("scores"), seconds=0.0)
     prompts = [{"id": "a", "prompt": "What is 7 + 5?", "answer": "12"}, {"id": "chat", "prompt": "hi", "answer": None}]
     assert fill_rewards(w.con, ["r"], prompts) == 2

@@ -34,7 +34,7 @@ def test_cuda_scorer_fp32_equals_the_cpu_scorer_and_lower_precisions_move_away(m
     items = _items()
     cpu = HFScorer(model_dir, ["fp32"], device="cpu", top_k=5).score(items)["hf:fp32"]
     gpu = HFScorer(model_dir, ["fp32", "bf16", "fp16"], device="cuda", top_k=5, chunk_rows=64).score(items)
-    flat = lambda res: torch.tensor([x for s in res for x in s.logp], dtype=torch.float64)  # noqa: E731
+    flat = lambda res: torch.tensor([x for s in res for x in s.logp], dtype=torch.float64)
     # TF32 is off by default for matmuls in torch, so fp32 on the GPU matches the CPU closely
     assert_close(flat(gpu["hf:fp32"]), flat(cpu), atol=2e-4, rtol=1e-4)
     tv = {d: torch.tensor([x for s in gpu[f"hf:{d}"] for x in s.tv_exact_vs_ref]) for d in ("fp32", "bf16", "fp16")}

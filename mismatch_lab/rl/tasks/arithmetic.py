@@ -90,7 +90,7 @@ def parse_answer(text: str) -> float | None:
     "2.50" -> 2.5              "no idea" -> None
     """
     if not isinstance(text, str):
-        raise ValueError(f"text must be a str, not {type(text).__name__}")
+        raise ValueError(f"text must be a str, not {type(text).__name__}")  # noqa: TRY004 - one error type for bad input
     matches = _NUMBER.findall(text)
     if not matches:
         return None
