@@ -259,10 +259,8 @@ def collect(cfg: CollectConfig, *, progress: bool = True) -> list[str]:
     """Run the collection described by `cfg`; returns the run ids (one per rollout dtype)."""
     import os
 
-    # engine start-up prints its whole config at INFO per engine; keep warnings (set the variable to see it)
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # vLLM's environment is set by _import_vllm
+    from mismatch_lab.engines.vllm_engine import _import_vllm
     from mismatch_lab.models import resolve_model, weights_sha256
     from mismatch_lab.scoring import parse_scorers
 
@@ -270,14 +268,8 @@ def collect(cfg: CollectConfig, *, progress: bool = True) -> list[str]:
     prompts = read_prompts(cfg.prompts)
     model = resolve_model(cfg.model)
     tokenizer, model_ctx = _load_tokenizer(model, cfg.trust_remote_code)
-    if cfg.engine == "vllm":
-        from mismatch_lab.engines.vllm_engine import _import_vllm
-
-        _import_vllm()
     hf_dtypes, vllm_dtypes = parse_scorers(cfg.scorer_dtypes)
-    if vllm_dtypes:
-        from mismatch_lab.engines.vllm_engine import _import_vllm
-
+    if cfg.engine == "vllm" or vllm_dtypes:
         _import_vllm()
     max_len = min(cfg.max_model_len, model_ctx) if model_ctx else cfg.max_model_len
     prompt_ids, templated = encode_prompts(tokenizer, prompts)
@@ -293,11 +285,9 @@ def collect(cfg: CollectConfig, *, progress: bool = True) -> list[str]:
     transformers.utils.logging.disable_progress_bar()
     device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
     versions = {"python": sys.version.split()[0], "torch": torch.__version__, "transformers": transformers.__version__}
-    try:
-        import vllm
-
-        versions["vllm"] = vllm.__version__
-    except ImportError:
+    try:  # recorded whenever vLLM is installed, also for an HF-only run
+        versions["vllm"] = _import_vllm().__version__
+    except UserError:
         pass
     import duckdb
 

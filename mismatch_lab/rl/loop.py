@@ -267,8 +267,7 @@ def train(cfg: TrainConfig, *, progress: bool = True, log=None) -> str:
 
     `log(step, metrics)` is called after each committed step (the CLI's progress bar uses it).
     """
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # vLLM's environment is set by _import_vllm
     cfg.validate()
     import torch
     import transformers
