@@ -4,11 +4,15 @@
   real vLLM and real HF load it fast, so most engine tests use it.
 - `embedded_model`: the real SmolLM2-135M-Instruct, for the tests where the numbers matter.
 - `vllm_tiny_fp32`: one in-process vLLM CPU engine on the tiny model, shared by every test that needs it.
+- `signalled_cli`: starts `mismatch-lab ARGS` in a child process that interrupts itself at a fixed chunk.
 """
 
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -37,3 +41,46 @@ def vllm_tiny_fp32(tiny_model):
     engine = make_engine("vllm", tiny_model, "fp32", seed=0, max_model_len=512, kv_cache_bytes=256 << 20)
     yield engine
     engine.close()
+
+
+# The CLI in a child process that signals itself at a fixed point, so an interruption lands mid-run on a
+# machine of any speed (polling the store from outside raced the tiny model, which can finish every chunk
+# between two polls). The signals are real: SIGINT goes through the command's own handler; SIGKILL ends
+# the process inside an open transaction that already holds the next chunk's sequences.
+_SELF_SIGNAL = """
+import os, signal, sys
+from mismatch_lab.store.writer import StoreWriter
+sig, after, argv = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
+original, written = StoreWriter.write_chunk, []
+
+def write_chunk(self, run_id, chunk, **tables):
+    if sig == signal.SIGKILL and len(written) == after:
+        self.con.execute("BEGIN TRANSACTION")
+        self.con.register("_partial", tables["sequences"])
+        cols = ", ".join(tables["sequences"].column_names)
+        self.con.execute(f"INSERT INTO sequences ({cols}) SELECT {cols} FROM _partial")
+        os.kill(os.getpid(), signal.SIGKILL)
+    original(self, run_id, chunk, **tables)
+    written.append(chunk)
+    if sig == signal.SIGINT and len(written) == after:
+        os.kill(os.getpid(), signal.SIGINT)
+
+StoreWriter.write_chunk = write_chunk
+from mismatch_lab.cli import main
+sys.exit(main(argv))
+"""
+
+
+@pytest.fixture
+def signalled_cli():
+    """`start(args, sig, after_chunks)`: SIGINT right after the process commits `after_chunks` chunks
+    (training steps for `train`), or SIGKILL while it writes the next one. Returns the Popen, stdout and
+    stderr merged."""
+
+    def start(args: list[str], sig: int, after_chunks: int) -> subprocess.Popen:
+        assert sig in (signal.SIGINT, signal.SIGKILL)
+        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", PYTHONUNBUFFERED="1")
+        return subprocess.Popen([sys.executable, "-c", _SELF_SIGNAL, str(int(sig)), str(after_chunks), *args],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+
+    return start

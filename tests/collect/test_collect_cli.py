@@ -97,28 +97,11 @@ def _collect_proc(args, **kw):
                             env=env, text=True, **kw)
 
 
-def _wait_for_chunks(db: Path, n: int, proc, timeout=240) -> None:
-    """Wait until the running writer has committed `n` chunks, read from a snapshot copy of the file."""
-    import shutil
-    import tempfile
-
-    end = time.time() + timeout
-    while time.time() < end:
-        assert proc.poll() is None, proc.stdout.read()
-        if db.exists():
-            with tempfile.TemporaryDirectory() as d:
-                for f in db.parent.glob(db.name + "*"):
-                    shutil.copy(f, Path(d) / f.name)
-                try:
-                    con = duckdb.connect(str(Path(d) / db.name), read_only=True)
-                    done = con.execute("SELECT count(*) FROM chunks_done").fetchone()[0]
-                    con.close()
-                except duckdb.Error:
-                    done = 0
-            if done >= n:
-                return
-        time.sleep(0.5)
-    raise AssertionError("collect did not commit chunks in time")
+def _chunks_done(db: Path) -> int:
+    con = duckdb.connect(str(db), read_only=True)
+    n = con.execute("SELECT count(*) FROM chunks_done").fetchone()[0]
+    con.close()
+    return n
 
 
 def _content(db: Path):
@@ -135,7 +118,7 @@ def _content(db: Path):
     return out
 
 
-def test_killed_runs_resume_with_nothing_lost_and_nothing_duplicated(tmp_path, tiny_model):
+def test_killed_runs_resume_with_nothing_lost_and_nothing_duplicated(tmp_path, tiny_model, signalled_cli):
     prompts = _prompts(tmp_path / "p.jsonl", 12, long_every=6)  # 2 of 12 prompts too long for the context
     ref_db, db = tmp_path / "ref.duckdb", tmp_path / "killed.duckdb"
     args = _args(tiny_model, prompts, ref_db)
@@ -149,19 +132,21 @@ def test_killed_runs_resume_with_nothing_lost_and_nothing_duplicated(tmp_path, t
     assert len(expected["seq"]) == 10 * 2
     assert all(row[-1] in (0.0, 1.0) for row in expected["seq"])  # every prompt has an answer: reward set
 
-    # Ctrl-C after the first chunk, then kill -9 after the next, then finish
-    p = _collect_proc(_args(tiny_model, prompts, db))
-    _wait_for_chunks(db, 1, p)
-    p.send_signal(signal.SIGINT)
-    out, _ = p.communicate(timeout=120)
+    # Ctrl-C after the first chunk, then kill -9 inside the fourth chunk's transaction, then finish
+    p = signalled_cli(_args(tiny_model, prompts, db), signal.SIGINT, 1)
+    out, _ = p.communicate(timeout=300)
     assert p.returncode == 130, out
     assert "re-run the same command to resume" in out
-    p = _collect_proc(_args(tiny_model, prompts, db))
-    _wait_for_chunks(db, 3, p)
-    p.kill()
-    p.wait()
+    assert _chunks_done(db) == 1
+    p = signalled_cli(_args(tiny_model, prompts, db), signal.SIGKILL, 2)  # 1 + 2 chunks committed, dies in the 4th of 6
+    out, _ = p.communicate(timeout=300)
+    assert p.returncode == -signal.SIGKILL, out
     got_partial = _content(db)
-    assert 0 < len(got_partial["seq"]) < len(expected["seq"])
+    assert _chunks_done(db) == 3 and got_partial["runs"][0][1] == "running"
+    assert 0 < len(got_partial["seq"]) < len(expected["seq"]) and got_partial["dup"] == 0
+    # what was committed before the kill is already final (rewards are filled when the run completes)
+    assert {r[:-1] for r in got_partial["seq"]} <= {r[:-1] for r in expected["seq"]}
+    assert set(got_partial["tok"]) <= set(expected["tok"]) and set(got_partial["sc"]) <= set(expected["sc"])
     p = _collect_proc(_args(tiny_model, prompts, db))
     out, _ = p.communicate(timeout=300)
     assert p.returncode == 0, out

@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -134,26 +133,21 @@ def test_two_loop_steps_write_metrics_and_step_sequences(tiny_model, tmp_path, m
     assert ckpt["step"] == 2 and "optimizer" in ckpt and ckpt["optimizer"]["state"]
 
 
-def test_killed_run_resumes_without_duplicate_rows(tiny_model, tmp_path):
+def test_killed_run_resumes_without_duplicate_rows(tiny_model, tmp_path, signalled_cli):
     db, out = tmp_path / "k.duckdb", tmp_path / "runs"
-    cmd = [sys.executable, "-m", "mismatch_lab.cli", "train", "--model", tiny_model, "--loss", "grpo",
-           "--steps", "3", "--prompts-per-step", "2", "--samples-per-prompt", "2", "--max-tokens", "6",
-           "--lr", "1e-3", "--rollout-dtype", "fp32", "--checkpoint-every", "2", "--kv-cache-mb", "256",
-           "--db", str(db), "--out", str(out), "--no-progress"]
+    args = ["train", "--model", tiny_model, "--loss", "grpo",
+            "--steps", "3", "--prompts-per-step", "2", "--samples-per-prompt", "2", "--max-tokens", "6",
+            "--lr", "1e-3", "--rollout-dtype", "fp32", "--checkpoint-every", "2", "--kv-cache-mb", "256",
+            "--db", str(db), "--out", str(out), "--no-progress"]
+    cmd = [sys.executable, "-m", "mismatch_lab.cli", *args]
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
-    try:
-        deadline = time.time() + 240
-        for line in proc.stdout:
-            if line.startswith("step 1/3 committed"):
-                break
-            assert time.time() < deadline, "step 1 never committed"
-        else:
-            pytest.fail(f"the run ended before step 1 was committed (rc {proc.wait()})")
-        os.kill(proc.pid, signal.SIGKILL)  # the hard way: no cleanup, the DB and checkpoint stay as they are
-    finally:
-        proc.wait()
-    assert proc.returncode == -signal.SIGKILL
+    # the hard way: kill -9 while step 2 is being written (no cleanup; the DB and checkpoint stay as they are)
+    proc = signalled_cli(args, signal.SIGKILL, 1)
+    log, _ = proc.communicate(timeout=300)
+    assert proc.returncode == -signal.SIGKILL, log[-2000:]
+    assert "step 1/3 committed" in log and "step 2/3 committed" not in log
+    assert _rows(db, "SELECT chunk FROM chunks_done") == [(1,)]
+    assert _rows(db, "SELECT DISTINCT step FROM sequences") == [(1,)]
     done = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "resuming after step" in done.stderr
