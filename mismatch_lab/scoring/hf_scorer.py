@@ -48,8 +48,21 @@ class SeqScores:
     extra: dict = field(default_factory=dict)
 
 
-def _finite_or_none(x: float):
+def _finite_or_none(x):
+    if isinstance(x, list):
+        return [_finite_or_none(v) for v in x]
     return x if math.isfinite(x) else None
+
+
+def _finite_list(t) -> list | None:
+    """`t.tolist()` with non-finite entries as None. The per-element pass runs only when the tensor holds a
+    non-finite value: converting every top-K entry one by one dominated the scorer's time on GPU."""
+    import torch
+
+    if t is None:
+        return None
+    vals = t.cpu().tolist()
+    return vals if bool(torch.isfinite(t).all()) else _finite_or_none(vals)
 
 
 class HFScorer:
@@ -165,38 +178,32 @@ class HFScorer:
         ref_len = stats[self.ref].topk_len.tolist() if (self.ref and self.top_k > 0) else None
         for d in self.dtypes:
             st = stats[d]
-            cols = {
-                "logp": st.logp.cpu().tolist(), "entropy": st.entropy.cpu().tolist(),
-                "tv": st.tv.cpu().tolist() if st.tv is not None else None,
-                "kl": st.kl.cpu().tolist() if st.kl is not None else None,
-            }
+            # a row is non-finite when any value it stores is (the value itself is stored as NULL)
+            bad = ~(torch.isfinite(st.logp) & torch.isfinite(st.entropy))
+            if st.tv is not None:
+                bad |= ~(torch.isfinite(st.tv) & torch.isfinite(st.kl))
+            cols = {"logp": _finite_list(st.logp), "entropy": _finite_list(st.entropy), "tv": _finite_list(st.tv),
+                    "kl": _finite_list(st.kl), "bad": bad.cpu().tolist()}
             tk_ids = st.topk_ids.cpu().tolist() if self.top_k > 0 else None
-            tk_lps = st.topk_logps.cpu().tolist() if self.top_k > 0 else None
+            tk_lps = _finite_list(st.topk_logps) if self.top_k > 0 else None
             tk_len = st.topk_len.tolist()
-            g_roll = st.at_ids["rollout"].cpu().tolist() if "rollout" in st.at_ids else None
-            g_ref = st.at_ref_topk.cpu().tolist() if st.at_ref_topk is not None else None
+            g_roll = _finite_list(st.at_ids["rollout"]) if "rollout" in st.at_ids else None
+            g_ref = _finite_list(st.at_ref_topk)
             r = 0
             for b, s in zip(idx, seqs):
                 n = len(s.response_ids)
                 sl = slice(r, r + n)
-                lp = cols["logp"][sl]
-                # a row is non-finite when any value it stores is (the value itself is stored as NULL)
-                checked = [lp, cols["entropy"][sl]] + ([cols["tv"][sl], cols["kl"][sl]] if cols["tv"] is not None else [])
-                out = SeqScores(
-                    logp=[_finite_or_none(x) for x in lp],
-                    entropy=[_finite_or_none(x) for x in cols["entropy"][sl]],
-                    nonfinite=[not all(math.isfinite(x) for x in vals) for vals in zip(*checked)],
-                )
+                out = SeqScores(logp=cols["logp"][sl], entropy=cols["entropy"][sl], nonfinite=cols["bad"][sl])
                 if tk_ids is not None:
                     out.topk_ids = [tk_ids[k][: tk_len[k]] for k in range(r, r + n)]
-                    out.topk_logps = [[_finite_or_none(x) for x in tk_lps[k][: tk_len[k]]] for k in range(r, r + n)]
+                    out.topk_logps = [tk_lps[k][: tk_len[k]] for k in range(r, r + n)]
                 if cols["tv"] is not None:
-                    out.tv_exact_vs_ref = [_finite_or_none(x) for x in cols["tv"][sl]]
-                    out.kl_exact_vs_ref = [_finite_or_none(x) for x in cols["kl"][sl]]
+                    out.tv_exact_vs_ref = cols["tv"][sl]
+                    out.kl_exact_vs_ref = cols["kl"][sl]
                 if g_roll is not None and s.rollout_topk_ids:
-                    out.logps_at_rollout_topk = [[_finite_or_none(x) for x in g_roll[k][: lens[k]]] for k in range(r, r + n)]
+                    out.logps_at_rollout_topk = [g_roll[k][: lens[k]] for k in range(r, r + n)]
                 if g_ref is not None:
-                    out.logps_at_ref_topk = [[_finite_or_none(x) for x in g_ref[k][: ref_len[k]]] for k in range(r, r + n)]
+                    out.logps_at_ref_topk = [g_ref[k][: ref_len[k]] for k in range(r, r + n)]
                 results[f"hf:{d}"][b] = out
                 r += n
 

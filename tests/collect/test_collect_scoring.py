@@ -123,3 +123,13 @@ def test_fp16_overflow_is_stored_as_null_and_flagged_never_zeroed(tiny_model, tm
     assert rows == (3, 0, 3)
     assert w.con.execute("SELECT count(logp_rollout) FROM tokens").fetchone()[0] == 2  # nan mu -> NULL
     w.close()
+
+
+def test_non_finite_values_become_none_and_finite_ones_stay_exact():
+    from mismatch_lab.scoring.hf_scorer import _finite_list
+
+    t = torch.tensor([[-1.5, float("nan")], [float("-inf"), -0.25]])
+    assert _finite_list(t) == [[-1.5, None], [None, -0.25]]  # the slow path, only when something is non-finite
+    assert _finite_list(t[:, 1]) == [None, -0.25]
+    assert _finite_list(t[:1, :1]) == [[-1.5]]
+    assert _finite_list(None) is None
