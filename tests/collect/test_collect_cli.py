@@ -97,17 +97,11 @@ def _collect_proc(args, **kw):
                             env=env, text=True, **kw)
 
 
-def _chunks_done(db: Path) -> int:
-    con = duckdb.connect(str(db), read_only=True)
-    n = con.execute("SELECT count(*) FROM chunks_done").fetchone()[0]
-    con.close()
-    return n
-
-
 def _content(db: Path):
     con = duckdb.connect(str(db), read_only=True)
     out = {
         "runs": con.execute("SELECT run_id, status FROM runs ORDER BY 1").fetchall(),
+        "chunks": con.execute("SELECT count(*) FROM chunks_done").fetchone()[0],
         "seq": con.execute("SELECT run_id, seq_id, prompt_id, sample_idx, response_len, reward FROM sequences ORDER BY 1, 2").fetchall(),
         "tok": con.execute("SELECT run_id, seq_id, pos, token_id, logp_rollout FROM tokens ORDER BY 1, 2, 3").fetchall(),
         "sc": con.execute("SELECT run_id, seq_id, pos, scorer, logp, tv_exact_vs_ref FROM scores ORDER BY 1, 2, 3, 4").fetchall(),
@@ -137,12 +131,12 @@ def test_killed_runs_resume_with_nothing_lost_and_nothing_duplicated(tmp_path, t
     out, _ = p.communicate(timeout=300)
     assert p.returncode == 130, out
     assert "re-run the same command to resume" in out
-    assert _chunks_done(db) == 1
+    assert _content(db)["chunks"] == 1
     p = signalled_cli(_args(tiny_model, prompts, db), signal.SIGKILL, 2)  # 1 + 2 chunks committed, dies in the 4th of 6
     out, _ = p.communicate(timeout=300)
     assert p.returncode == -signal.SIGKILL, out
     got_partial = _content(db)
-    assert _chunks_done(db) == 3 and got_partial["runs"][0][1] == "running"
+    assert got_partial["chunks"] == 3 and got_partial["runs"][0][1] == "running"
     assert 0 < len(got_partial["seq"]) < len(expected["seq"]) and got_partial["dup"] == 0
     # what was committed before the kill is already final (rewards are filled when the run completes)
     assert {r[:-1] for r in got_partial["seq"]} <= {r[:-1] for r in expected["seq"]}
