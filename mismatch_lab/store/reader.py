@@ -8,6 +8,8 @@
       partitions) for the tables of `schema.TABLES`: an in-memory DuckDB with one VIEW per table.
       A missing file gives an empty table; a contract column a file lacks reads as NULL.
   (c) a study directory `studies/<name>/` (or its study.toml): its `results/` directory, as in (b).
+  (d) a shard store (recorded and imported runs, `store.shards`): read as (b), its `runs` folded to one
+      row per run from the per-rank rows (`shards.RUNS_VIEW`).
 Anything else raises `UserError` naming the fix.
 """
 
@@ -23,10 +25,11 @@ import duckdb
 
 from mismatch_lab.errors import UserError
 from mismatch_lab.store.schema import DDL, TABLES
+from mismatch_lab.store.shards import RUNS_VIEW, is_shard_store
 
 ACCEPTED = (
-    "pass a .duckdb file, a directory holding <table>.parquet files, or a study directory "
-    "(studies/<name>/ with a results/ folder)"
+    "pass a .duckdb file, a directory holding <table>.parquet files, a study directory "
+    "(studies/<name>/ with a results/ folder) or a recorded/imported run store"
 )
 READER_MEMORY_LIMIT = "3GB"
 """DuckDB's own default is 80 % of RAM, which a reader could take from a collect running beside it. At
@@ -55,7 +58,7 @@ def _open(p: Path) -> duckdb.DuckDBPyConnection:
     if p.is_dir():
         if (p / "results").is_dir():
             return _open_parquet_dir(p / "results")
-        if _parquet_sources(p):
+        if _parquet_sources(p) or is_shard_store(p):
             return _open_parquet_dir(p)
         dbs = sorted(p.glob("*.duckdb"))
         hint = f"; this directory holds {', '.join(str(x) for x in dbs)}: pass that file" if dbs else ""
@@ -128,6 +131,7 @@ def _contract_columns() -> dict[str, list[tuple[str, str]]]:
 
 def _open_parquet_dir(d: Path) -> duckdb.DuckDBPyConnection:
     sources = _parquet_sources(d)
+    shards = is_shard_store(d)
     contract = _contract_columns()
     con = duckdb.connect()
     for table in TABLES:
@@ -145,7 +149,12 @@ def _open_parquet_dir(d: Path) -> duckdb.DuckDBPyConnection:
             con.close()
             raise UserError(f"cannot read {src} as Parquet ({_last_line(exc)}); re-export the store") from exc
         missing = [f"NULL::{typ} AS {name}" for name, typ in contract[table] if name not in present]
-        con.execute(f"CREATE VIEW {table} AS SELECT *{''.join(', ' + m for m in missing)} FROM {reader}")
+        select = f"SELECT *{''.join(', ' + m for m in missing)} FROM {reader}"
+        if table == "runs" and shards:
+            firsts = ", ".join(f"arg_min({name}, rank) AS {name}" for name, _ in contract["runs"]
+                               if name not in ("run_id", "status"))
+            select = RUNS_VIEW.format(firsts=firsts, source=f"({select})")
+        con.execute(f"CREATE VIEW {table} AS {select}")
     return con
 
 

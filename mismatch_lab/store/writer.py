@@ -20,6 +20,11 @@ from mismatch_lab.errors import StoreBusyError, UserError
 from mismatch_lab.store.schema import create_schema
 
 # Arrow types matching the DDL, so DuckDB inserts without casting surprises (lists stay lists).
+RUN_TYPES = {
+    "run_id": pa.string(), "study": pa.string(), "kind": pa.string(), "created_at": pa.timestamp("us"),
+    "status": pa.string(), "model": pa.string(), "weights_sha256": pa.string(), "engine": pa.string(),
+    "engine_dtype": pa.string(), "device": pa.string(), "versions": pa.string(), "config": pa.string(),
+}
 SEQUENCE_TYPES = {
     "run_id": pa.string(), "seq_id": pa.int64(), "prompt_id": pa.string(), "sample_idx": pa.int32(),
     "step": pa.int32(), "response_text": pa.string(), "response_len": pa.int32(), "finish_reason": pa.string(),
@@ -36,6 +41,7 @@ SCORE_TYPES = {
     "tv_exact_vs_ref": pa.float64(), "kl_exact_vs_ref": pa.float64(), "nonfinite": pa.bool_(),
     "logps_at_rollout_topk": pa.list_(pa.float64()), "logps_at_ref_topk": pa.list_(pa.float64()),
 }
+METRIC_TYPES = {"run_id": pa.string(), "step": pa.int32(), "name": pa.string(), "value": pa.float64()}
 TABLE_TYPES = {"sequences": SEQUENCE_TYPES, "tokens": TOKEN_TYPES, "scores": SCORE_TYPES}
 
 

