@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from mismatch_lab.errors import UserError
+from mismatch_lab.store.shards import is_shard_store
 
 APP = Path(__file__).resolve().parents[1] / "apps" / "streamlit_app.py"
 ENV_VAR = "MISMATCH_LAB_STUDY"  # read by apps/lab_ui.py
@@ -45,6 +46,7 @@ def _check_study(study: Path) -> Path:
     if study.is_dir():
         has_data = (
             any((study / "results").glob("*.parquet")) or any(study.glob("*.parquet")) or any(study.glob("*.duckdb"))
+            or is_shard_store(study)
         )
         if not has_data:
             raise UserError(

@@ -25,7 +25,7 @@ import duckdb
 
 from mismatch_lab.errors import UserError
 from mismatch_lab.store.schema import DDL, TABLES
-from mismatch_lab.store.shards import RUNS_VIEW, is_shard_store
+from mismatch_lab.store.shards import RUNS_VIEW, committed_files, is_shard_store
 
 ACCEPTED = (
     "pass a .duckdb file, a directory holding <table>.parquet files, a study directory "
@@ -100,14 +100,25 @@ def _open_snapshot(p: Path) -> duckdb.DuckDBPyConnection:
     )
 
 
+def _quote(path: str) -> str:
+    return "'" + path.replace("'", "''") + "'"
+
+
 def _parquet_sources(d: Path) -> dict[str, str]:
-    """table -> read_parquet() argument for the tables present in directory d."""
+    """table -> read_parquet() arguments (SQL) for the tables present in directory d. A shard store is
+    read from its committed shards only (`shards.committed_files`): a unit whose commit a crash cut short
+    is invisible until it is written again."""
     out = {}
+    if is_shard_store(d):
+        for table, files in committed_files(d).items():
+            out[table] = "[" + ", ".join(_quote(f) for f in files) + "], union_by_name = true"
+        return out
     for table in TABLES:
         if (d / f"{table}.parquet").is_file():
-            out[table] = str(d / f"{table}.parquet")
+            out[table] = _quote(str(d / f"{table}.parquet"))
         elif (d / table).is_dir() and any((d / table).rglob("*.parquet")):
-            out[table] = str(d / table / "**" / "*.parquet")
+            # hive keys (table/run_id=x/...) only for partitioned directories: a plain path may contain '='
+            out[table] = _quote(str(d / table / "**" / "*.parquet")) + ", hive_partitioning = true, union_by_name = true"
     return out
 
 
@@ -139,10 +150,7 @@ def _open_parquet_dir(d: Path) -> duckdb.DuckDBPyConnection:
         if src is None:
             con.execute(next(s for s in DDL if _ddl_table(s) == table))
             continue
-        arg = "'" + src.replace("'", "''") + "'"
-        # hive keys (table/run_id=x/...) only for partitioned directories: a plain file path may contain '='
-        options = ", hive_partitioning = true, union_by_name = true" if src.endswith("*.parquet") else ""
-        reader = f"read_parquet({arg}{options})"
+        reader = f"read_parquet({src})"
         try:
             present = {r[0] for r in con.execute(f"DESCRIBE SELECT * FROM {reader}").fetchall()}
         except duckdb.Error as exc:

@@ -1,4 +1,4 @@
-"""The DuckDB data contract (see ../shared/DESIGN.md, "Data contract").
+"""The data contract: DuckDB tables (one database file per study), also read from Parquet shards.
 
 One database file per study. Column names below are fixed; extra columns are allowed. There are no
 PRIMARY KEY constraints on the big tables on purpose: DuckDB keeps an ART index per key which costs
@@ -11,18 +11,25 @@ from __future__ import annotations
 
 SCHEMA_VERSION = "1"
 
+RUN_KINDS = ("collect", "train", "record", "import")
+"""`runs.kind`: collected by `collect`, trained by `train`, recorded from a user's training loop through
+`mismatch_lab.record.Recorder`, or imported from a framework's dump by `mismatch-lab import`."""
+TOKEN_FIGURE_KINDS = ("collect", "record", "import")
+"""Runs whose tokens the pooled token figures (1-5) read: a fixed rollout/trainer pair per run (collect),
+or a user's run where μ and π were taken at the same weights (record, import)."""
+
 DDL = [
     "CREATE TABLE IF NOT EXISTS meta(key VARCHAR PRIMARY KEY, value VARCHAR)",
     """CREATE TABLE IF NOT EXISTS runs(
         run_id VARCHAR PRIMARY KEY,
         study VARCHAR,
-        kind VARCHAR,              -- 'collect' | 'train'
+        kind VARCHAR,              -- schema.RUN_KINDS: 'collect' | 'train' | 'record' | 'import'
         created_at TIMESTAMP,
         status VARCHAR,            -- 'running' | 'complete' | 'failed'
         model VARCHAR,
         weights_sha256 VARCHAR,
-        engine VARCHAR,            -- 'vllm' | 'hf' (the rollout engine)
-        engine_dtype VARCHAR,      -- 'bf16' | 'fp16' | 'fp32'
+        engine VARCHAR,            -- the rollout engine: 'vllm' | 'hf'; as declared for record/import ('sglang', 'unknown')
+        engine_dtype VARCHAR,      -- 'bf16' | 'fp16' | 'fp32'; NULL when a recorded/imported run does not say
         device VARCHAR,
         versions JSON,
         config JSON)""",
@@ -52,7 +59,7 @@ DDL = [
         run_id VARCHAR,
         seq_id BIGINT,
         pos INTEGER,
-        scorer VARCHAR,            -- '<engine>:<dtype>', e.g. 'hf:fp32', 'vllm:bf16'
+        scorer VARCHAR,            -- '<engine>:<dtype>', e.g. 'hf:fp32', 'vllm:bf16'; '<framework>:<dtype|trainer>' for record/import
         logp DOUBLE,               -- log pi of the sampled token; NULL when non-finite
         entropy DOUBLE,            -- nats, full vocabulary
         topk_ids INTEGER[],

@@ -14,10 +14,11 @@
 
 Why it is safe to write without a lock or a server:
 * append-only, one file per unit: a writer never opens an existing shard. A unit (a step's sequences,
-  tokens, scores and metrics) is first written under temporary names (`.<name>.tmp-*`, which no reader
-  globs), fsynced, then renamed into place, `sequences` last: the rename of the sequences shard is the
-  unit's commit point. A killed writer leaves at most temporary files of the unit in flight; earlier
-  shards are never touched.
+  tokens, scores and metrics of one writer call) is first written under temporary names
+  (`.<name>.tmp-*`, which no reader globs), fsynced, then renamed into place, `sequences` last: the
+  rename of the sequences shard is the unit's commit point, and readers take a tokens/scores/metrics
+  shard only when the sequences shard of the same name exists (`committed_files`). A killed writer
+  leaves at most files of the unit in flight, which no reader sees; earlier shards are never touched.
 * multi-rank: shard names carry the writer's name (`rank-<R>-...` for the Recorder, `import-<digest>`
   for an importer), so ranks and processes never write the same file.
 * idempotent: writing a unit whose sequences shard already exists under the same name is skipped
@@ -34,9 +35,6 @@ import uuid
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Self
-
-import pyarrow as pa
-import pyarrow.parquet as pq
 
 from mismatch_lab.errors import UserError
 from mismatch_lab.store.schema import SCHEMA_VERSION
@@ -92,6 +90,23 @@ def init_store(root: str | Path) -> Path:
     return root
 
 
+def committed_files(root: str | Path) -> dict[str, list[str]]:
+    """table -> its committed shard files (sorted): every runs file, and the step-table shards whose unit
+    has its sequences shard (the commit point). Tables without a committed file are absent."""
+    root = Path(root)
+    out: dict[str, list[str]] = {}
+    runs = sorted(str(p) for p in root.glob("runs/*/*.parquet"))
+    if runs:
+        out["runs"] = runs
+    done = {p.relative_to(root / "sequences") for p in root.glob("sequences/*/step-*/*.parquet")}
+    for table in STEP_TABLES:
+        files = sorted(str(p) for p in root.glob(f"{table}/*/step-*/*.parquet")
+                       if p.relative_to(root / table) in done)
+        if files:
+            out[table] = files
+    return out
+
+
 def shard_path(root: Path, table: str, run_id: str, step: int, name: str) -> Path:
     return root / table / run_id / f"step-{int(step):08d}" / f"{name}.parquet"
 
@@ -116,8 +131,10 @@ def _atomic_bytes(final: Path, data: bytes) -> None:
     os.replace(tmp, final)
 
 
-def write_parquet_atomic(table: pa.Table, final: Path) -> None:
-    """Write `table` to `final` through a temporary file and a rename (module docstring)."""
+def write_parquet_atomic(table, final: Path) -> None:
+    """Write the Arrow `table` to `final` through a temporary file and a rename (module docstring)."""
+    import pyarrow.parquet as pq
+
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = _tmp(final)
     try:
@@ -135,6 +152,8 @@ def now_utc() -> datetime:
 
 def write_run_row(root: Path, row: dict, rank: int) -> None:
     """Replace this rank's row of a run (status moves running -> complete | failed)."""
+    import pyarrow as pa
+
     from mismatch_lab.store.writer import RUN_TYPES
 
     run_id = check_name(row["run_id"])
@@ -159,7 +178,10 @@ class Transaction:
         """True when this unit was committed before (its sequences shard exists)."""
         return shard_path(self.root, "sequences", run_id, step, name).is_file()
 
-    def add(self, table: str, run_id: str, step: int, name: str, data: pa.Table) -> None:
+    def add(self, table: str, run_id: str, step: int, name: str, data) -> None:
+        """Stage the Arrow table `data` as shard `name` of (table, run, step)."""
+        import pyarrow.parquet as pq
+
         assert table in STEP_TABLES, table
         final = shard_path(self.root, table, check_name(run_id), step, check_name(name, "shard name"))
         final.parent.mkdir(parents=True, exist_ok=True)

@@ -392,3 +392,114 @@ def _bench_run(con, run_id: str, engine: str, dtype: str, n_run: int, *, offset:
                 FROM (SELECT *, {lp} AS logp, u(g, 70 + {i}) < 1e-5 AS bad FROM stage)"""
         )
     con.execute("DROP TABLE stage")
+
+
+# -- runs over steps and stores holding only some optional columns ---------------------------------------
+# Runs recorded in, or imported from, a user's RL framework hold only the data contract's required columns
+# (REQUIRED_COLUMNS) and whichever optional groups the framework could give (OPTIONAL_GROUPS). The helpers
+# below turn a synthetic store into one: `stepped_frames` spreads runs over training steps (and relabels
+# them as such a run would be), `subset_store` writes a copy holding only the required columns plus the
+# optional groups asked for, as a Parquet directory or as a DuckDB file whose tables lack the others.
+
+REQUIRED_COLUMNS: dict[str, tuple[str, ...] | None] = {
+    "runs": None,  # every column
+    "sequences": ("run_id", "seq_id", "step", "response_len"),
+    "tokens": ("run_id", "seq_id", "pos", "token_id", "logp_rollout"),
+    "scores": ("run_id", "seq_id", "pos", "scorer", "logp", "nonfinite"),
+    "train_metrics": None,
+}
+"""table -> the columns every store holds (None: all of the table's columns)."""
+
+OPTIONAL_GROUPS: dict[str, dict[str, tuple[str, ...]]] = {
+    "topk": {"tokens": ("topk_ids_rollout", "topk_logps_rollout"),
+             "scores": ("topk_ids", "topk_logps", "logps_at_rollout_topk", "logps_at_ref_topk")},
+    "entropy": {"scores": ("entropy",)},
+    "exact": {"scores": ("tv_exact_vs_ref", "kl_exact_vs_ref")},
+    "text": {"tokens": ("token_text", "category")},
+    "rewards": {"sequences": ("reward", "advantage")},
+    "prompts": {"sequences": ("prompt_id", "sample_idx", "response_text", "finish_reason", "prompt_len")},
+}  # fmt: skip
+"""group -> table -> the optional columns that come together (a tokenizer gives text and category, ...)."""
+
+
+def stepped_frames(
+    frames: dict[str, pd.DataFrame],
+    steps: int,
+    *,
+    run_ids: list[str] | None = None,
+    kind: str = "recorded",
+    engine_dtype: str | None = None,
+    scorers: dict[str, str] | None = None,
+    drift: float = 0.0,
+) -> dict[str, pd.DataFrame]:
+    """A copy of synthetic frames in which the runs `run_ids` (default: every run holding sequences) are runs
+    over `steps` training steps: kind `kind`, engine_dtype `engine_dtype` (None = unknown, so the rollout
+    label is the engine alone), scorers renamed by `scorers` (e.g. {'hf:fp32': 'trl:fp32'}), and their
+    sequences spread over the steps in contiguous blocks of prompt groups (sequence i of n gets step
+    floor(group(i) * steps / n_groups)), so a GRPO group never spans two steps. drift > 0 plants a mismatch
+    that grows with the step: every score row of step s gets log pi lowered by drift * s (pi shrinks, so it
+    stays a probability), i.e. dlogp moves by exactly -drift * s against the unshifted store."""
+    out = {k: v.copy() for k, v in frames.items()}
+    seqs = out["sequences"]
+    ids = list(dict.fromkeys(seqs["run_id"])) if run_ids is None else list(run_ids)
+    runs = out["runs"]
+    chosen = runs["run_id"].isin(ids)
+    runs.loc[chosen, "kind"] = kind
+    runs["engine_dtype"] = runs["engine_dtype"].astype(object)
+    runs.loc[chosen, "engine_dtype"] = engine_dtype
+    step = pd.array([pd.NA] * len(seqs), dtype="Int64") if "step" not in seqs else seqs["step"].astype("Int64")
+    for run_id in ids:
+        mine = (seqs["run_id"] == run_id).to_numpy()
+        part = seqs.loc[mine]
+        # prompt groups in order of first appearance (the frames are ordered by seq_id)
+        group = pd.factorize(part["prompt_id"] if "prompt_id" in part else part["seq_id"])[0]
+        n_groups = int(group.max()) + 1 if len(group) else 1
+        step[mine] = (group * steps) // n_groups
+    seqs["step"] = step
+    out["sequences"] = seqs
+    sc = out["scores"]
+    mine = sc["run_id"].isin(ids)
+    if drift:
+        step_of = seqs.set_index(["run_id", "seq_id"])["step"]
+        s = step_of.reindex(pd.MultiIndex.from_frame(sc[["run_id", "seq_id"]])).to_numpy(dtype=float, na_value=0.0)
+        sc["logp"] = sc["logp"].astype("Float64") - np.where(mine, drift * s, 0.0)
+    if scorers:
+        sc.loc[mine, "scorer"] = sc.loc[mine, "scorer"].map(lambda x: scorers.get(x, x))
+    out["scores"] = sc
+    return out
+
+
+def subset_store(src: str | Path, out: str | Path, groups=(), *, form: str = "parquet") -> Path:
+    """Copy the store at `src` (a DuckDB file) to `out` holding only REQUIRED_COLUMNS plus the columns of
+    the OPTIONAL_GROUPS named in `groups`. form='parquet': `out/<table>.parquet` for runs, sequences,
+    tokens, scores and train_metrics (the reader then fills the absent contract columns with NULLs);
+    form='duckdb': a DuckDB file at `out` whose tables physically lack the other columns (and which has no
+    bookkeeping tables). `out` must not exist."""
+    src, out = Path(src), Path(out)
+    unknown = set(groups) - set(OPTIONAL_GROUPS)
+    if unknown:
+        raise ValueError(f"unknown optional groups {sorted(unknown)}; known: {sorted(OPTIONAL_GROUPS)}")
+    if form not in ("parquet", "duckdb"):
+        raise ValueError("form must be 'parquet' or 'duckdb'")
+    if out.exists():
+        raise FileExistsError(f"{out} exists; pass a fresh path")
+    con = duckdb.connect()
+    try:
+        con.execute(f"ATTACH '{src}' AS src (READ_ONLY)")
+        if form == "duckdb":
+            con.execute(f"ATTACH '{out}' AS dst")
+        else:
+            out.mkdir(parents=True)
+        for table, required in REQUIRED_COLUMNS.items():
+            have = [r[0] for r in con.execute(f"DESCRIBE src.{table}").fetchall()]
+            keep = set(have) if required is None else set(required)
+            for g in groups:
+                keep |= set(OPTIONAL_GROUPS[g].get(table, ()))
+            select = ", ".join(c for c in have if c in keep)
+            if form == "duckdb":
+                con.execute(f"CREATE TABLE dst.{table} AS SELECT {select} FROM src.{table}")
+            else:
+                con.execute(f"COPY (SELECT {select} FROM src.{table}) TO '{out / (table + '.parquet')}' (FORMAT parquet)")
+    finally:
+        con.close()
+    return out

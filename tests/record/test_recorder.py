@@ -1,0 +1,235 @@
+"""The Recorder and the shard store: what goes in comes back at the right (sequence, position), ranks
+never collide, a killed writer loses only the unit in flight, and re-logging adds nothing twice."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+from mismatch_lab.errors import UserError
+from mismatch_lab.record import Recorder
+from mismatch_lab.record.recorder import to_numpy
+from mismatch_lab.store import shards
+from mismatch_lab.store.reader import open_store
+
+
+def _batch(seed: int, B: int = 5, T: int = 7, K: int = 3):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 500, (B, T), generator=g)
+    mask = torch.rand(B, T, generator=g) > 0.3
+    mask[0] = False  # a fully masked sequence
+    mask[1, :3] = False  # response starts at position 3
+    mask[1, 3:] = True
+    mask[1, 5] = False  # a hole (tool output) keeps its place
+    lmu = -torch.rand(B, T, generator=g) * 3
+    lpi = lmu + 0.05 * torch.randn(B, T, generator=g)
+    return ids, mask, lmu, lpi, torch.randint(0, 500, (B, T, K), generator=g), -torch.rand(B, T, K, generator=g)
+
+
+def _naive_rows(ids, mask, lmu, lpi):
+    """(seq index, pos, token, log mu, log pi, t) of every masked position, by loops."""
+    rows = []
+    for b in range(ids.shape[0]):
+        first = next((t for t in range(ids.shape[1]) if mask[b, t]), None)
+        for t in range(ids.shape[1]):
+            if mask[b, t]:
+                rows.append((b, t - first, int(ids[b, t]), float(lmu[b, t]), float(lpi[b, t]), t))
+    return rows
+
+
+def test_values_land_at_their_sequence_and_position(tmp_path):
+    ids, mask, lmu, lpi, tk_ids, tk_lps = _batch(0)
+    adv = torch.tensor([0.5, -1.0, 2.0, 0.0, 1.5])
+    with Recorder(tmp_path / "s", "r1", framework="verl", rollout_engine="vllm", trainer_dtype="bf16",
+                  rollout_dtype="bf16") as rec:
+        n = rec.log_step(7, ids, mask, lmu, lpi, advantages=adv, rewards=torch.arange(5.0),
+                         rollout_topk_ids=tk_ids, rollout_topk_logps=tk_lps, metrics={"loss/value": 0.25})
+    assert n == int(mask.sum())
+    con = open_store(tmp_path / "s")
+    got = con.execute("""
+        SELECT q.seq_id, t.pos, t.token_id, t.logp_rollout, s.logp, t.topk_ids_rollout, t.topk_logps_rollout,
+               q.step, q.advantage, q.reward, s.scorer, s.nonfinite
+        FROM tokens t JOIN scores s USING (run_id, seq_id, pos) JOIN sequences q USING (run_id, seq_id)
+        ORDER BY q.seq_id, t.pos""").fetchall()
+    want = _naive_rows(ids, mask, lmu, lpi)
+    assert len(got) == len(want)
+    seqs = sorted({r[0] for r in got})
+    for g, (b, pos, tok, mu, pi, t) in zip(got, want):
+        assert seqs.index(g[0]) == b - 1  # sequence 0 has no response token, so no token rows
+        assert (g[1], g[2]) == (pos, tok)
+        assert (g[3], g[4]) == (mu, pi)  # float32 -> float64 is exact
+        assert g[5] == tk_ids[b, t].tolist() and g[6] == pytest.approx(tk_lps[b, t].tolist(), abs=1e-7)
+        assert (g[7], g[8], g[9], g[10], g[11]) == (7, float(adv[b]), float(b), "verl:bf16", False)
+    seq = con.execute("SELECT seq_id, response_len, step FROM sequences ORDER BY seq_id").fetchall()
+    assert [r[1] for r in seq] == mask.sum(1).tolist() and {r[2] for r in seq} == {7}
+    run = con.execute("SELECT kind, engine, engine_dtype, status, json_extract_string(config, '$.scorer') FROM runs").fetchall()
+    assert run == [("record", "vllm", "bf16", "complete", "verl:bf16")]
+    assert con.execute("SELECT step, name, value FROM train_metrics").fetchall() == [(7, "loss/value", 0.25)]
+
+
+def test_per_token_advantages_and_nonfinite_values_are_null_and_flagged(tmp_path):
+    ids, mask, lmu, lpi, *_ = _batch(1)
+    lpi[2, mask[2].nonzero()[0, 0]] = float("nan")
+    lmu[3, mask[3].nonzero()[0, 0]] = float("-inf")
+    adv = torch.randn(ids.shape)
+    rec = Recorder(tmp_path / "s", "r", framework="prime-rl")
+    rec.log_step(0, ids, mask, lmu, lpi, advantages=adv)
+    rec.close()
+    con = open_store(tmp_path / "s")
+    assert con.execute("SELECT count(*), count(s.logp), count(t.logp_rollout), count_if(nonfinite) "
+                       "FROM tokens t JOIN scores s USING (run_id, seq_id, pos)").fetchone() == (int(mask.sum()),
+                                                                                                int(mask.sum()) - 1,
+                                                                                                int(mask.sum()) - 1, 2)
+    assert con.execute("SELECT DISTINCT scorer FROM scores").fetchall() == [("prime-rl:trainer",)]
+    # the sequence's advantage is the mean over its response tokens; the per-token one is kept beside it
+    seq = con.execute("SELECT q.advantage, avg(t.advantage) FROM sequences q JOIN tokens t USING (run_id, seq_id) "
+                      "GROUP BY q.seq_id, q.advantage ORDER BY q.seq_id").fetchall()
+    want = [float(adv[b][mask[b]].mean()) for b in range(ids.shape[0]) if mask[b].any()]
+    assert [r[0] for r in seq] == pytest.approx(want, rel=1e-6)
+    assert [r[1] for r in seq] == pytest.approx(want, rel=1e-6)
+
+
+def test_ranks_write_their_own_files_and_the_run_is_complete_when_all_close(tmp_path):
+    recs = [Recorder(tmp_path / "s", "multi", framework="slime", rank=r) for r in (0, 1)]
+    for step in (0, 1):
+        for r, rec in enumerate(recs):
+            ids, mask, lmu, lpi, *_ = _batch(10 * step + r)
+            rec.log_step(step, ids, mask, lmu, lpi)
+    recs[0].close()
+    con = open_store(tmp_path / "s")
+    assert con.execute("SELECT status, n_ranks FROM runs").fetchall() == [("running", 2)]
+    recs[1].close()
+    con = open_store(tmp_path / "s")
+    assert con.execute("SELECT status FROM runs").fetchall() == [("complete",)]
+    n_tok = sum(int(_batch(10 * step + r)[1].sum()) for step in (0, 1) for r in (0, 1))
+    assert con.execute("SELECT count(*), count(DISTINCT (seq_id, pos)) FROM tokens").fetchone() == (n_tok, n_tok)
+    assert con.execute("SELECT count(*), count(DISTINCT seq_id) FROM sequences").fetchone() == (20, 20)
+    # a failed rank fails the run
+    with pytest.raises(RuntimeError), Recorder(tmp_path / "s", "multi", framework="slime", rank=2):
+        raise RuntimeError("boom")
+    assert open_store(tmp_path / "s").execute("SELECT status FROM runs").fetchall() == [("failed",)]
+
+
+def test_relogging_a_step_after_a_restart_replaces_it_and_every_and_max_sequences_thin_the_run(tmp_path):
+    ids, mask, lmu, lpi, *_ = _batch(3)
+    for _ in range(2):  # the same rank restarts and logs the same steps again
+        rec = Recorder(tmp_path / "s", "r", framework="trl", every=2, max_sequences_per_step=3)
+        assert [rec.log_step(s, ids, mask, lmu, lpi) for s in range(4)] == [int(mask[:3].sum()), 0] * 2
+        rec.close()
+    con = open_store(tmp_path / "s")
+    assert con.execute("SELECT step, count(*) FROM sequences GROUP BY step ORDER BY step").fetchall() == [(0, 3), (2, 3)]
+    assert con.execute("SELECT count(*) FROM tokens").fetchone()[0] == 2 * int(mask[:3].sum())
+    cfg = con.execute("SELECT json_extract(config, '$.every'), json_extract(config, '$.max_sequences_per_step') "
+                      "FROM runs").fetchone()
+    assert tuple(map(int, cfg)) == (2, 3)
+
+
+_KILLED = textwrap.dedent("""
+    import os, signal, sys, torch
+    from mismatch_lab.record import Recorder
+    from mismatch_lab.store import shards
+    replace, calls = os.replace, []
+    def dying_replace(src, dst):
+        calls.append(dst)
+        if "step-00000001" in str(dst) and len([c for c in calls if "step-00000001" in str(c)]) == 2:
+            os.kill(os.getpid(), signal.SIGKILL)  # between the renames of step 1's shards
+        replace(src, dst)
+    shards.os.replace = dying_replace
+    rec = Recorder(sys.argv[1], "k", framework="trl")
+    g = torch.Generator().manual_seed(0)
+    for step in range(3):
+        ids = torch.randint(0, 100, (4, 6), generator=g)
+        rec.log_step(step, ids, torch.ones(4, 6, dtype=torch.bool), -torch.rand(4, 6, generator=g),
+                     -torch.rand(4, 6, generator=g), metrics={"m/value": float(step)})
+""")
+
+
+def test_a_killed_writer_loses_only_the_unit_in_flight(tmp_path):
+    store = tmp_path / "s"
+    proc = subprocess.run([sys.executable, "-c", _KILLED, str(store)], check=False, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    # step 1's tokens shard was renamed into place, its sequences shard was not: no reader sees step 1
+    assert shards.shard_path(store, "tokens", "k", 1, "rank-00000-part-0000").is_file()
+    assert not shards.shard_path(store, "sequences", "k", 1, "rank-00000-part-0000").is_file()
+    con = open_store(store)
+    assert con.execute("SELECT DISTINCT step FROM sequences").fetchall() == [(0,)]
+    assert con.execute("SELECT count(*) FROM tokens").fetchone()[0] == 24
+    assert con.execute("SELECT count(*) FROM scores").fetchone()[0] == 24
+    assert con.execute("SELECT step FROM train_metrics").fetchall() == [(0,)]
+    assert con.execute("SELECT status FROM runs").fetchall() == [("running",)]
+    # a restarted writer logs step 1 again under the same names: the store is whole, nothing twice
+    rec = Recorder(store, "k", framework="trl")
+    rec.log_step(1, torch.zeros(4, 6, dtype=torch.long), torch.ones(4, 6, dtype=torch.bool), torch.zeros(4, 6),
+                 torch.zeros(4, 6))
+    rec.close()
+    con = open_store(store)
+    assert con.execute("SELECT step, count(*) FROM tokens JOIN sequences USING (run_id, seq_id) GROUP BY step "
+                       "ORDER BY step").fetchall() == [(0, 24), (1, 24)]
+    # what the killed writer left are temporary files of step 1's unit, which no reader globs
+    leftovers = list(store.rglob(".*.tmp-*"))
+    assert leftovers and {p.parent.name for p in leftovers} == {"step-00000001"}
+
+
+def test_torch_tensors_come_to_the_host_exactly_in_one_copy():
+    ids = torch.tensor([[2**40 + 3, 5]])
+    mask = torch.tensor([[True, False]])
+    lp = torch.tensor([[-0.1234567, float("nan")]], dtype=torch.float32)
+    a, m, b, none = to_numpy(ids, mask, lp, None)
+    assert a.dtype == np.int64 and a.tolist() == [[2**40 + 3, 5]]
+    assert m.dtype == bool and m.tolist() == [[True, False]]
+    assert b[0, 0] == np.float64(np.float32(-0.1234567)) and np.isnan(b[0, 1]) and none is None
+    copies = []
+    real_cpu = torch.Tensor.cpu
+
+    def counting_cpu(self, *args, **kwargs):
+        copies.append(self.shape)
+        return real_cpu(self, *args, **kwargs)
+
+    torch.Tensor.cpu = counting_cpu
+    try:
+        to_numpy(ids, mask, lp, lp)
+    finally:
+        torch.Tensor.cpu = real_cpu
+    assert len(copies) == 1
+
+
+def test_bad_input_is_an_error_naming_the_field(tmp_path):
+    rec = Recorder(tmp_path / "s", "r", framework="trl")
+    ids = torch.zeros(2, 3, dtype=torch.long)
+    ok = torch.ones(2, 3, dtype=torch.bool)
+    with pytest.raises(UserError, match="logp_trainer has shape"):
+        rec.log_step(0, ids, ok, torch.zeros(2, 3), torch.zeros(2, 4))
+    with pytest.raises(UserError, match="advantages has shape"):
+        rec.log_step(0, ids, ok, torch.zeros(2, 3), torch.zeros(2, 3), advantages=torch.zeros(3))
+    with pytest.raises(UserError, match="run name"):
+        Recorder(tmp_path / "s", "a/b", framework="trl")
+    with pytest.raises(UserError, match="rollout_engine"):
+        Recorder(tmp_path / "s", "r", framework="trl", rollout_engine="tgi")
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "x.txt").write_text("x")
+    with pytest.raises(UserError, match="not a mismatch-lab shard store"):
+        Recorder(tmp_path / "other", "r", framework="trl")
+    assert open_store(tmp_path / "s").execute("SELECT count(*) FROM tokens").fetchone() == (0,)
+
+
+def test_a_tokenizer_fills_texts_and_categories_with_the_collect_classifier(tmp_path, tiny_model):
+    from transformers import AutoTokenizer
+
+    from mismatch_lab.categories import TokenTexts
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    ids = torch.tensor([tok.encode(" 12 + 35 = Wait, the answer")])
+    rec = Recorder(tmp_path / "s", "r", framework="trl", tokenizer=tok)
+    rec.log_step(0, ids, torch.ones_like(ids, dtype=torch.bool), torch.zeros(ids.shape), torch.zeros(ids.shape))
+    rec.close()
+    got = open_store(tmp_path / "s").execute("SELECT token_text, category FROM tokens ORDER BY pos").fetchall()
+    texts = TokenTexts(tok)
+    assert got == [texts(int(t)) for t in ids[0]]
+    assert {"number", "math", "connective", "word"} <= {c for _, c in got}
