@@ -223,6 +223,19 @@ def _warm_up(path: str) -> threading.Thread:
     return thread
 
 
+def shown(value) -> str:
+    """A stored value as text; '—' where the store holds none (a recorded or imported run keeps only the
+    required columns)."""
+    return "—" if value is None or (not isinstance(value, str) and pd.isna(value)) else str(value)
+
+
+def token_label(text, token_id) -> str:
+    """A token for a picker: its quoted string, or its id where the store holds no text (no tokenizer)."""
+    if isinstance(text, str):
+        return repr(text)
+    return f"id {int(token_id)}" if pd.notna(token_id) else "∅"
+
+
 def keep_valid(key: str, options: list) -> None:
     """Drop a remembered widget value that is no longer among its options (another run, study or step)."""
     if key in st.session_state and st.session_state[key] not in options:
@@ -307,8 +320,11 @@ def token_html(tokens: pd.DataFrame, mode: str) -> str:
     """The response as HTML spans coloured by |Δp|, ratio or mask decision, each with a tooltip of its numbers."""
     spans = []
     for row in tokens.itertuples(index=False):
-        text = html.escape(row.token_text or "∅").replace("\n", "↵<br>")
-        tip = f"pos {row.pos} · {row.token_text!r} · μ={row.mu:.4g}" + (
+        if isinstance(row.token_text, str) and row.token_text:
+            text = html.escape(row.token_text).replace("\n", "↵<br>")
+        else:  # stored without text (no tokenizer): the id, in brackets
+            text = html.escape(f"⟨{row.token_id}⟩" if pd.notna(row.token_id) else "∅")
+        tip = f"pos {row.pos} · {token_label(row.token_text, row.token_id)} · μ={row.mu:.4g}" + (
             "  π=non-finite" if pd.isna(row.logp) else f" · π={row.pi:.4g} · r={row.ratio:.4g} · |Δp|={row.abs_dp:.3g}"
         )
         spans.append(

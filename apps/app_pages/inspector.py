@@ -69,7 +69,11 @@ else:
             by_id.index.tolist(),
             key="insp_seq",
             persist_state="session",
-            format_func=lambda s: f"seq {s} · prompt {by_id.prompt_id[s]} · {by_id.response_len[s]} tokens",
+            format_func=lambda s: " · ".join(
+                [f"seq {s}"]
+                + ([f"prompt {by_id.prompt_id[s]}"] if pd.notna(by_id.prompt_id[s]) else [])
+                + [f"{by_id.response_len[s]} tokens"]
+            ),
         )
     )
 
@@ -80,8 +84,8 @@ tokens = lab_ui.query(browse.sequence_tokens, run_id, seq_id)
 st.subheader(f"{run_id} · sequence {seq_id}")
 m = st.columns(5)
 m[0].metric("Tokens", int(tokens["pos"].nunique()))
-m[1].metric("Prompt", str(seq.prompt_id))
-m[2].metric("Finish", str(seq.finish_reason))
+m[1].metric("Prompt", lab_ui.shown(seq.prompt_id))
+m[2].metric("Finish", lab_ui.shown(seq.finish_reason))
 if pd.isna(seq.reward):
     m[3].metric("Reward", "—", help="No reward recorded: collect runs have none.")
 else:
@@ -132,18 +136,18 @@ s[3].metric(
 st.subheader("Token detail")
 positions = view["pos"].tolist()
 worst_pos = int(view.loc[view["abs_dp"].idxmax(), "pos"]) if view["abs_dp"].notna().any() else positions[0]
-text_of = dict(zip(view["pos"], view["token_text"]))
+text_of = {p: lab_ui.token_label(t, i) for p, t, i in zip(view["pos"], view["token_text"], view["token_id"])}
 pos = st.selectbox(
     "Token (defaults to the largest |Δp|)",
     positions,
     index=positions.index(worst_pos),
-    format_func=lambda p: f"pos {p}: {text_of[p]!r}",
+    format_func=lambda p: f"pos {p}: {text_of[p]}",
     key=f"insp_pos:{run_id}:{seq_id}:{scorer}",
 )
 here = tokens[tokens["pos"] == pos]
 first = here.iloc[0]
 d = st.columns(4)
-d[0].markdown(f"**Text** `{first.token_text!r}`")
+d[0].markdown(f"**Text** `{first.token_text!r}`" if isinstance(first.token_text, str) else "**Text** not stored")
 d[1].markdown(f"**Token id** {first.token_id} · **category** {first.category}")
 d[2].markdown(f"**μ** (rollout) {first.mu:.6g}")
 d[3].markdown(f"**log μ** {first.logp_rollout:.6g}")

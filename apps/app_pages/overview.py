@@ -34,7 +34,7 @@ st.dataframe(
     hide_index=True,
     column_config={
         "weights_sha256": st.column_config.TextColumn("weights sha256", help="hash of the checkpoint both sides load"),
-        "rollout": st.column_config.TextColumn("rollout (μ)", help="'<engine>:<dtype>' of the sampling engine"),
+        "rollout": st.column_config.TextColumn("rollout (μ)", help="'<engine>:<dtype>' of the sampling engine; the engine alone where the run does not say its dtype"),
         "scorers": st.column_config.TextColumn("scorers (π)", help="trainer-side scorers '<engine>:<dtype>'"),
         "n_scores": st.column_config.NumberColumn("token × scorer rows"),
         "n_rewarded": st.column_config.NumberColumn("rewarded sequences"),

@@ -1,17 +1,25 @@
-"""Training: curves per objective from `train_metrics`, and a step picker that opens a step's sequences."""
+"""Training: curves per objective from `train_metrics`, the mismatch per step measured from the tokens, and a
+step picker that opens a step's sequences."""
 
 import lab_ui
 import streamlit as st
 
-from mismatch_lab.analysis import browse, violations
+from mismatch_lab.analysis import browse, definitions, steps, violations
+
+STEP_METRICS = {  # steps.step_series column -> what the chart shows
+    "abs_dp_mean": "mean |π − μ| (probability)",
+    "kl_k3": "mean k3 = r − log r − 1 (nats)",
+    "abs_dlogp_mean": "mean |log π − log μ| (nats)",
+    "frac_ratio_outside_clip": f"share of r outside [{definitions.CLIP_LOW:g}, {definitions.CLIP_HIGH:g}]",
+}
 
 st.title("Training")
 lab_ui.store()
 train = lab_ui.query(browse.train_runs)
 if train.empty:
     st.info(
-        "This study has no training runs. Start one with "
-        "`mismatch-lab train --study studies/<name>/study.toml --loss dppo_binary_tv`."
+        "This study has no training runs (no train run, and no run whose sequences carry a step). Start one "
+        "with `mismatch-lab train --study studies/<name>/study.toml --loss dppo_binary_tv`."
     )
     st.stop()
 
@@ -37,6 +45,32 @@ else:
         part = series[series["name"] == name].assign(objective=lambda d: d["run_id"].map(labels))
         grid[i % 2].markdown(f"**{name}**")
         lab_ui.line_chart(part, "step", "value", "objective", x_title="step", y_title=name, where=grid[i % 2])
+
+# ---- mismatch per step, from the tokens ------------------------------------------------------------------
+st.subheader("Mismatch per step")
+st.caption(
+    "Measured from the stored tokens, not from logged metrics: per training step and (rollout μ, scorer π) "
+    "pair, the mean over the step's finite (token, scorer) rows of |π − μ|, k3 (an unbiased estimate of "
+    "KL(μ ‖ π)), |Δlogp| and the share of r = π/μ outside PPO's clip range; non-finite rows are counted "
+    "in `n_nonfinite`, never zeroed. Definitions: docs/analysis.md, `steps`."
+)
+per_step = lab_ui.query(steps.step_series)
+per_step = per_step[per_step["run_id"].isin(chosen_runs)]
+if per_step.empty:
+    st.info("The chosen runs have no scored tokens with a step: the per-step mismatch needs the rollout's and a "
+            "scorer's log-probs of the same tokens.")
+else:
+    shown = st.multiselect("Per-step metrics", list(STEP_METRICS), default=["abs_dp_mean", "kl_k3"],
+                           format_func=STEP_METRICS.get, key="train_step_metrics")
+    lines = per_step.assign(line=per_step["run_id"].map(labels) + " · " + per_step["rollout"] + " → "
+                            + per_step["scorer"])
+    grid = st.columns(2)
+    for i, metric in enumerate(shown):
+        grid[i % 2].markdown(f"**{STEP_METRICS[metric]}**")
+        lab_ui.line_chart(lines, "step", metric, "line", x_title="step", y_title=STEP_METRICS[metric],
+                          where=grid[i % 2])
+    with st.expander("Per-step table"):
+        st.dataframe(per_step, hide_index=True)
 
 # ---- one step -------------------------------------------------------------------------------------------
 st.subheader("Sequences of a step")

@@ -7,6 +7,7 @@
     clipping.py       ratio clip vs DPPO masks by category, mu bucket, token string
     precision.py      |dp|, |dlogp|, KL k1/k2/k3, chi2 per pair; sequence drift; scorer noise floor
     violations.py     negative-sample tokens outside the trust region; training-run metric series
+    steps.py          the precision metrics per training step of the runs whose sequences carry a step
     approximation.py  binary / top-K TV against exact full-vocabulary TV
     command.py        `mismatch-lab analyze`
 
@@ -25,13 +26,14 @@ from mismatch_lab.analysis import (
     approximation,
     clipping,
     precision,
+    steps,
     violations,
     volatility,
 )
 from mismatch_lab.analysis.relations import Filters
 from mismatch_lab.analysis.rows import Rows
 
-ANALYSES = ("volatility", "clipping", "precision", "violations", "approximation")
+ANALYSES = ("volatility", "clipping", "precision", "violations", "approximation", "steps")
 
 
 def _stack(parts: list[tuple[str, str, pd.DataFrame]]) -> pd.DataFrame:
@@ -65,6 +67,7 @@ def run_all(
                      'scorer_vs_reference' (noise_floor; `reference` names the reference scorer)
     * violations:    column `source` = 'tokens' (violations_table) | 'train_metrics' (train_series)
     * approximation: approximation_table
+    * steps:         step_series, one row per (run_id, rollout, scorer, step) of the runs over steps
     The store is joined once (rows.Rows, materialized) and every analysis reads that row set.
     `progress(name, seconds since the start)` is called after the join and after each analysis."""
     t0 = time.perf_counter()
@@ -72,7 +75,7 @@ def run_all(
         if progress is not None:
             progress("join", time.perf_counter() - t0)
         r = {"_rows": rows}
-        steps = {
+        tables = {
             "volatility": lambda: _stack(
                 [("scale", s, volatility.volatility_table(con, buckets=s, **r).drop(columns="scale"))
                  for s in ("linear", "log")]
@@ -97,10 +100,11 @@ def run_all(
                 ]
             ),
             "approximation": lambda: approximation.approximation_table(con, **r),
+            "steps": lambda: steps.step_series(con, **r),
         }
         out = {}
-        for name, step in steps.items():
-            out[name] = step()
+        for name, table in tables.items():
+            out[name] = table()
             if progress is not None:
                 progress(name, time.perf_counter() - t0)
     return out

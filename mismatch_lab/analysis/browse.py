@@ -37,7 +37,12 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from mismatch_lab.analysis.definitions import DELTA_TV, EPS_HIGH, EPS_LOW
+from mismatch_lab.analysis.definitions import (
+    DELTA_TV,
+    EPS_HIGH,
+    EPS_LOW,
+    rollout_label_sql,
+)
 from mismatch_lab.analysis.relations import col, table_columns
 
 
@@ -48,16 +53,18 @@ def _df(con, sql: str, params: list | None = None) -> pd.DataFrame:
 def list_runs(con) -> pd.DataFrame:
     """One row per run: identity (model, engine, dtypes, weights hash), size and status.
 
-    Columns: run_id, study, kind, status, model, weights_sha256, rollout ('<engine>:<dtype>'),
+    Columns: run_id, study, kind, status, model, weights_sha256, rollout ('<engine>:<dtype>', the engine
+    alone where the dtype is unknown: definitions.rollout_label_sql),
     engine, engine_dtype, scorers (comma-separated), device, created_at, n_sequences, n_tokens,
     n_scores (token × scorer rows), n_nonfinite (scores with a non-finite log π), n_rewarded
     (sequences carrying a reward), steps (distinct training steps; 0 for collect runs).
     """
+    reward = col(table_columns(con, "sequences"), "sequences", "reward", "DOUBLE")
     return _df(
         con,
-        """
+        f"""
         WITH t AS (SELECT run_id, count(*) AS n_tokens FROM tokens GROUP BY run_id),
-             q AS (SELECT run_id, count(*) AS n_sequences, count(reward) AS n_rewarded,
+             q AS (SELECT run_id, count(*) AS n_sequences, count({reward}) AS n_rewarded,
                           count(DISTINCT step) AS steps
                    FROM sequences GROUP BY run_id),
              s AS (SELECT run_id, scorer, count(*) AS n, count(*) FILTER (WHERE nonfinite) AS n_nonfinite
@@ -66,7 +73,7 @@ def list_runs(con) -> pd.DataFrame:
                            sum(n)::BIGINT AS n_scores, sum(n_nonfinite)::BIGINT AS n_nonfinite
                     FROM s GROUP BY run_id)
         SELECT r.run_id, r.study, r.kind, r.status, r.model, r.weights_sha256,
-               r.engine || ':' || r.engine_dtype AS rollout, r.engine, r.engine_dtype,
+               {rollout_label_sql("r")} AS rollout, r.engine, r.engine_dtype,
                coalesce(sa.scorers, '') AS scorers, r.device, r.created_at,
                coalesce(q.n_sequences, 0) AS n_sequences, coalesce(t.n_tokens, 0) AS n_tokens,
                coalesce(sa.n_scores, 0) AS n_scores, coalesce(sa.n_nonfinite, 0) AS n_nonfinite,
@@ -82,8 +89,8 @@ def list_pairs(con) -> pd.DataFrame:
     """The (rollout, scorer) pairs present in the store, e.g. ('vllm:bf16', 'hf:fp32'), with token counts."""
     return _df(
         con,
-        """
-        SELECT r.engine || ':' || r.engine_dtype AS rollout, s.scorer, sum(s.n)::BIGINT AS n_tokens
+        f"""
+        SELECT {rollout_label_sql("r")} AS rollout, s.scorer, sum(s.n)::BIGINT AS n_tokens
         FROM (SELECT run_id, scorer, count(*) AS n FROM scores GROUP BY run_id, scorer) s
         JOIN runs r USING (run_id)
         GROUP BY ALL ORDER BY rollout, scorer
@@ -92,8 +99,12 @@ def list_pairs(con) -> pd.DataFrame:
 
 
 def list_categories(con) -> list[str]:
-    """Token categories present in the store (see mismatch_lab.categories), sorted."""
-    return _df(con, "SELECT DISTINCT category FROM tokens WHERE category IS NOT NULL ORDER BY 1")["category"].tolist()
+    """Token categories present in the store (see mismatch_lab.categories), sorted; a token without one
+    (a store recorded without a tokenizer) counts as 'uncategorized', as in the analyses."""
+    category = col(table_columns(con, "tokens"), "tokens", "category", "VARCHAR")
+    return _df(con, f"SELECT DISTINCT coalesce({category}, 'uncategorized') AS category FROM tokens ORDER BY 1")[
+        "category"
+    ].tolist()
 
 
 def list_sequences(con, run_id: str, *, step: int | None = None) -> pd.DataFrame:
@@ -107,10 +118,21 @@ def list_sequences(con, run_id: str, *, step: int | None = None) -> pd.DataFrame
         params.append(int(step))
     return _df(
         con,
-        f"""SELECT seq_id, prompt_id, sample_idx, step, response_len, finish_reason, reward, advantage
+        f"""SELECT seq_id, {_sequence_columns(con, 'sequences')}
             FROM sequences WHERE {where} ORDER BY seq_id""",
         params,
     )
+
+
+SEQUENCE_COLUMNS = (("prompt_id", "VARCHAR"), ("sample_idx", "INTEGER"), ("step", "INTEGER"),
+                    ("response_len", "INTEGER"), ("finish_reason", "VARCHAR"), ("reward", "DOUBLE"),
+                    ("advantage", "DOUBLE"))  # fmt: skip
+
+
+def _sequence_columns(con, alias: str) -> str:
+    """SELECT-list of SEQUENCE_COLUMNS; the ones a store lacks (recorded or imported runs) read as NULL."""
+    have = table_columns(con, "sequences")
+    return ", ".join(f"{col(have, alias, name, kind)} AS {name}" for name, kind in SEQUENCE_COLUMNS)
 
 
 def worst_sequences(con, *, run_id: str | None = None, scorer: str | None = None, n: int = 20) -> pd.DataFrame:
@@ -172,24 +194,30 @@ def sequence_tokens(
     entropy, nonfinite, tv_exact_vs_ref, kl_exact_vs_ref, delta_logp, ratio, abs_dp, advantage,
     ppo_clipped, dppo_masked, cum_log_ratio.
     """
-    # Optional per-score columns read as NULL where a store (e.g. a partial Parquet export) lacks them.
-    sc = table_columns(con, "scores")
+    # Optional columns read as NULL where a store (a partial Parquet export, a recorded or imported run
+    # holding only the required columns) lacks them; a token without a category is 'uncategorized'.
+    sc, tc = table_columns(con, "scores"), table_columns(con, "tokens")
     optional = ", ".join(
         f"{col(sc, 'scores', name, kind)} AS {name}"
         for name, kind in (("entropy", "DOUBLE"), ("tv_exact_vs_ref", "DOUBLE"), ("kl_exact_vs_ref", "DOUBLE"))
     )
+    nonfinite = col(sc, "scores", "nonfinite", "BOOLEAN")
+    seqs = f"(SELECT run_id, seq_id, {_sequence_columns(con, 'sequences')} FROM sequences)"
     return _df(
         con,
         f"""
-        WITH t AS (SELECT pos, token_id, token_text, category, logp_rollout
+        WITH t AS (SELECT pos, {col(tc, 'tokens', 'token_id', 'INTEGER')} AS token_id,
+                          {col(tc, 'tokens', 'token_text', 'VARCHAR')} AS token_text,
+                          coalesce({col(tc, 'tokens', 'category', 'VARCHAR')}, 'uncategorized') AS category,
+                          logp_rollout
                    FROM tokens WHERE run_id = ? AND seq_id = ?),
-             s AS (SELECT pos, scorer, logp, coalesce(nonfinite, false) AS nonfinite, {optional}
+             s AS (SELECT pos, scorer, logp, coalesce({nonfinite}, false) AS nonfinite, {optional}
                    FROM scores WHERE run_id = ? AND seq_id = ?),
              g AS (SELECT seq_id, coalesce(advantage, reward - avg(reward) OVER (PARTITION BY step, prompt_id))
                           AS advantage
-                   FROM sequences
+                   FROM {seqs}
                    WHERE run_id = ? AND (step, prompt_id) IS NOT DISTINCT FROM
-                         (SELECT (step, prompt_id) FROM sequences WHERE run_id = ? AND seq_id = ?)),
+                         (SELECT (step, prompt_id) FROM {seqs} WHERE run_id = ? AND seq_id = ?)),
              a AS (SELECT max(advantage) AS advantage FROM g WHERE seq_id = ?),
              j AS (SELECT t.pos, t.token_id, t.token_text, t.category, t.logp_rollout,
                           exp(t.logp_rollout) AS mu, s.scorer, s.logp, exp(s.logp) AS pi, s.entropy,
@@ -255,7 +283,7 @@ def token_topk(con, run_id: str, seq_id: int, pos: int) -> pd.DataFrame:
     # Token texts come from sampled tokens: the store has no vocabulary table.
     texts = _df(
         con,
-        "SELECT token_id, any_value(token_text) AS token_text FROM tokens "
+        f"SELECT token_id, any_value({col(tc, 'tokens', 'token_text', 'VARCHAR')}) AS token_text FROM tokens "
         "WHERE token_id IN (SELECT unnest(?::INTEGER[])) GROUP BY token_id",
         [sorted({int(i) for i in out["token_id"]})],
     )
@@ -266,20 +294,22 @@ def token_topk(con, run_id: str, seq_id: int, pos: int) -> pd.DataFrame:
 
 
 def train_runs(con) -> pd.DataFrame:
-    """Training runs with their objective (the loss named in the run's config), model and rollout dtype.
+    """Runs over training steps with their objective (the loss named in the run's config, else the run id),
+    model and rollout: `train` runs, and every other run whose sequences carry a step (a run recorded in,
+    or imported from, a user's RL framework).
 
-    Columns: run_id, objective, status, model, rollout, created_at, steps, n_sequences.
+    Columns: run_id, kind, objective, status, model, rollout, created_at, steps, n_sequences.
     """
     return _df(
         con,
-        """
-        SELECT r.run_id,
+        f"""
+        SELECT r.run_id, r.kind,
                coalesce(json_extract_string(r.config, '$.loss'), json_extract_string(r.config, '$.objective'),
                         json_extract_string(r.config, '$.train.loss'), r.run_id) AS objective,
-               r.status, r.model, r.engine || ':' || r.engine_dtype AS rollout, r.created_at,
+               r.status, r.model, {rollout_label_sql("r")} AS rollout, r.created_at,
                count(DISTINCT q.step) AS steps, count(q.seq_id) AS n_sequences
         FROM runs r LEFT JOIN sequences q ON q.run_id = r.run_id
-        WHERE r.kind = 'train'
+        WHERE r.kind = 'train' OR r.run_id IN (SELECT run_id FROM sequences WHERE step IS NOT NULL)
         GROUP BY ALL ORDER BY r.created_at, r.run_id
         """,
     )
@@ -292,10 +322,10 @@ def training_steps(con, run_id: str) -> pd.DataFrame:
     """
     return _df(
         con,
-        """
+        f"""
         SELECT step, count(*) AS n_sequences, sum(response_len)::BIGINT AS n_tokens, count(reward) AS n_rewarded,
                avg(reward) AS mean_reward, avg(advantage) AS mean_advantage
-        FROM sequences WHERE run_id = ? AND step IS NOT NULL
+        FROM (SELECT run_id, {_sequence_columns(con, 'sequences')} FROM sequences) WHERE run_id = ? AND step IS NOT NULL
         GROUP BY step ORDER BY step
         """,
         [run_id],

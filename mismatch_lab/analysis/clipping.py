@@ -31,7 +31,7 @@ METRIC_COLUMNS = [
 ]  # fmt: skip
 CATEGORY_COLUMNS = ["rollout", "scorer", "adv_sign", "category", *METRIC_COLUMNS]
 BUCKET_COLUMNS = ["rollout", "scorer", "adv_sign", "scale", "bucket", "mu_lo", "mu_hi", "bucket_label", *METRIC_COLUMNS]
-TOKEN_COLUMNS = ["rollout", "scorer", "adv_sign", "rank", "token_text", "category", *METRIC_COLUMNS]
+TOKEN_COLUMNS = ["rollout", "scorer", "adv_sign", "rank", "token_text", "token_id", "category", *METRIC_COLUMNS]
 COUNTS = ("n_tokens", "n_nonfinite", "n_ratio_clip", "n_topk")
 SIGN_ORDER = {"all": 0, "positive": 1, "negative": 2}
 
@@ -163,19 +163,23 @@ def top_clipped_tokens(
     _rows: Rows | None = None,
 ) -> pd.DataFrame:
     """The n token strings most often ratio-clipped (two-sided), per (rollout, scorer), ranked by
-    n_ratio_clip (ties: more occurrences first, then the text). Metrics are over all finite occurrences
-    of the string; mu_mean_clipped is the mean mu of its clipped occurrences."""
+    n_ratio_clip (ties: more occurrences first, then the text, then the id). Metrics are over all finite
+    occurrences of the string; mu_mean_clipped is the mean mu of its clipped occurrences. A token the store
+    holds no text for (recorded without a tokenizer) is ranked by its id: token_text NULL, token_id set
+    (token_id is NULL on rows named by their string)."""
     rows = _rows or Rows(con, Filters.make(rollout, scorer, run_ids))
     if not rows.ok:
         return empty(TOKEN_COLUMNS)
     s = rows.token_sums(_thresholds(eps_low, eps_high, delta_tv, delta_kl))
     if s.empty:
         return empty(TOKEN_COLUMNS)
-    out = pd.concat([s[["rollout", "scorer", "token_text", "category"]], clip_metrics(s, "all")], axis=1)
+    out = pd.concat([s[["rollout", "scorer", "token_text", "token_id", "category"]], clip_metrics(s, "all")], axis=1)
     out[list(COUNTS)] = out[list(COUNTS)].astype("int64")
+    out["token_id"] = out["token_id"].astype("Int64")
     out["adv_sign"] = "all"  # two-sided: a string is ranked over all its occurrences
     out = out[out["n_ratio_clip"] > 0].sort_values(
-        ["rollout", "scorer", "n_ratio_clip", "n_tokens", "token_text"], ascending=[True, True, False, False, True]
+        ["rollout", "scorer", "n_ratio_clip", "n_tokens", "token_text", "token_id"],
+        ascending=[True, True, False, False, True, True],
     )
     out = out.groupby(["rollout", "scorer"], sort=False).head(int(n))
     out["rank"] = out.groupby(["rollout", "scorer"]).cumcount() + 1

@@ -5,7 +5,7 @@
 
 --db takes anything `open_store` reads (a .duckdb file, even while a collect writes it; a directory of
 <table>.parquet files; a study directory). The JSON holds one key per analysis (volatility, clipping,
-precision, violations, approximation), each a list of row objects; NaN and +-inf become null. Every
+precision, violations, approximation, steps), each a list of row objects; NaN and +-inf become null. Every
 key is defined in docs/analysis.md.
 """
 
@@ -32,7 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the store: a .duckdb file, a directory of <table>.parquet files, or a study directory")
     parser.add_argument("--json", metavar="FILE", help="also write every table to FILE as JSON (NaN -> null)")
     parser.add_argument("--rollout", action="append", metavar="ENGINE:DTYPE",
-                        help="only this rollout, e.g. vllm:bf16 (repeatable; default: all)")
+                        help="only this rollout, e.g. vllm:bf16, or the engine alone (vllm) for a run whose dtype is "
+                        "unknown (repeatable; default: all)")
     parser.add_argument("--scorer", action="append", metavar="ENGINE:DTYPE",
                         help="only this scorer, e.g. hf:fp32 (repeatable; default: all)")
     parser.add_argument("--run-id", action="append", dest="run_ids", metavar="RUN_ID",
@@ -72,8 +73,10 @@ def run(args: argparse.Namespace) -> int:
 
 def _check_filters(con, args) -> None:
     """A label that matches nothing is a typo, not an empty result: name what exists."""
+    from mismatch_lab.analysis.definitions import rollout_label_sql
+
     checks = (
-        ("--rollout", args.rollout, "SELECT DISTINCT engine || ':' || engine_dtype FROM runs"),
+        ("--rollout", args.rollout, f"SELECT DISTINCT {rollout_label_sql(None)} FROM runs"),
         ("--scorer", args.scorer, "SELECT DISTINCT scorer FROM scores"),
         ("--run-id", args.run_ids, "SELECT DISTINCT run_id FROM runs"),
     )

@@ -31,8 +31,20 @@ from __future__ import annotations
 import math
 
 # -- labels ---------------------------------------------------------------------------------------
-ROLLOUT_LABEL_SQL = "(runs.engine || ':' || runs.engine_dtype)"
-"""A rollout is named '<engine>:<dtype>' from its run, e.g. 'vllm:bf16'; a scorer is `scores.scorer`."""
+
+
+def rollout_label_sql(alias: str | None = "runs") -> str:
+    """SQL of a run's rollout label over the `runs` columns of `alias` (None: unqualified): '<engine>:<dtype>',
+    e.g. 'vllm:bf16', or just '<engine>' (e.g. 'vllm') where engine_dtype is NULL or empty (a recorded or imported
+    run whose framework did not say). The one definition of the label: every query that names a rollout
+    builds it here."""
+    p = f"{alias}." if alias else ""
+    return f"({p}engine || coalesce(':' || nullif({p}engine_dtype, ''), ''))"
+
+
+ROLLOUT_LABEL_SQL = rollout_label_sql("runs")
+"""A rollout is named '<engine>:<dtype>' from its run, e.g. 'vllm:bf16' ('<engine>' alone when the dtype is
+unknown); a scorer is `scores.scorer`, e.g. 'hf:fp32' or a framework's 'trl:fp32'."""
 
 REFERENCE_SCORER = "hf:fp32"
 """`scores.tv_exact_vs_ref` / `kl_exact_vs_ref` are measured against this scorer (data contract)."""
@@ -118,7 +130,7 @@ def topk_anchor_sql(ids: str, a_lps: str, tok: str, kl: bool = True) -> dict[str
         # the vector, even in rows a CASE has excluded
         "k_ea_la": f"CASE WHEN {ok} THEN list_sum(list_transform({a_lps}, lambda x: exp(x) * x)) END"
         if kl
-        else "NULL::DOUBLE",
+        else "CAST(NULL AS DOUBLE)",
         # the sampled token joins S only when it is not already among the anchor's top-K ids
         "k_extra": f"NOT coalesce(list_contains({ids}, {tok}), false)",
     }
@@ -136,7 +148,7 @@ def topk_pair_sql(b_lps: str, kl: bool = True) -> dict[str, str]:
         # sum a (log a - log b)
         "k_kl": f"CASE WHEN {ok} THEN k_ea_la - list_sum(list_transform(k_ea, lambda x, i: x * {b_lps}[i])) END"
         if kl
-        else "NULL::DOUBLE",
+        else "CAST(NULL AS DOUBLE)",
     }
 
 

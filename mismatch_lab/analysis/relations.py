@@ -7,8 +7,10 @@
 
 `*_base` gives the joined columns plus `finite` (definitions.finite_sql) and the per-row parts of the
 top-K divergences; `with_metrics` adds the per-token quantities of `definitions.token_metrics_sql` and
-top-K TV/KL (NULL on non-finite rows, so aggregates skip them). Columns the store lacks (an older
-file, a Parquet export without top-K) read as NULL: every analysis degrades to empty values.
+top-K TV/KL (NULL on non-finite rows, so aggregates skip them). Optional columns the store lacks (an
+older file, a Parquet export without top-K, a recorded or imported run holding only the required
+columns) read as typed NULLs (`col`): every analysis degrades to empty values, a token without a
+category counts as 'uncategorized', and a run without engine_dtype is labelled by its engine alone.
 `rows.Rows` runs the passes over these row sets.
 """
 
@@ -45,9 +47,16 @@ def has_tables(con: duckdb.DuckDBPyConnection, *tables: str) -> bool:
     return all(table_columns(con, t) for t in tables)
 
 
+def typed_null(sql_type: str) -> str:
+    """A NULL of `sql_type` as a self-contained expression. `CAST(NULL AS DOUBLE[])`, never
+    `NULL::DOUBLE[]`: followed by a subscript (`...[i]`) the latter parses as the array type DOUBLE[][i]."""
+    return f"CAST(NULL AS {sql_type})"
+
+
 def col(cols: set[str], alias: str, name: str, sql_type: str) -> str:
-    """`alias.name` if the column exists, else a typed NULL (older stores, partial exports)."""
-    return f"{alias}.{name}" if name in cols else f"NULL::{sql_type}"
+    """`alias.name` if the column exists, else a typed NULL (older stores, partial exports, recorded or
+    imported runs that hold only the required columns). Safe wherever an expression goes, subscripts too."""
+    return f"{alias}.{name}" if name in cols else typed_null(sql_type)
 
 
 @dataclass(frozen=True)
@@ -134,7 +143,7 @@ def rollout_base(
         f"{col(scols, 's', 'tv_exact_vs_ref', 'DOUBLE')} AS tv_exact",
     ]
     cols += [f"t.{c}" for c in ("k_extra", "k_mass_a")] + [f"{e} AS {n}" for n, e in pair.items()] if topk else [
-        f"NULL::{'BOOLEAN' if c in ('k_extra', 'k_ok') else 'DOUBLE'} AS {c}" for c in TOPK_STORED
+        f"{typed_null('BOOLEAN' if c in ('k_extra', 'k_ok') else 'DOUBLE')} AS {c}" for c in TOPK_STORED
     ]
     adv_join = ""
     if advantage:
@@ -176,7 +185,7 @@ def scorer_base(
     ref = f"""SELECT run_id, seq_id, pos, scorer, logp, nonfinite {', ' + _anchor(kl=False) if topk else ''}
               FROM (SELECT r.run_id, r.seq_id, r.pos, r.scorer, r.logp,
                            {col(scols, 'r', 'nonfinite', 'BOOLEAN')} AS nonfinite,
-                           {col(tcols, 't', 'token_id', 'INTEGER') if topk else 'NULL::INTEGER'} AS token_id,
+                           {col(tcols, 't', 'token_id', 'INTEGER') if topk else typed_null('INTEGER')} AS token_id,
                            {col(scols, 'r', 'topk_ids', 'INTEGER[]')} AS k_ids,
                            {col(scols, 'r', 'topk_logps', 'DOUBLE[]')} AS k_a
                     FROM scores r {tok_join}
@@ -189,7 +198,7 @@ def scorer_base(
     # only the top-K TV is read on scorer pairs (approximation quality): its KL is left NULL
     pair = d.topk_pair_sql(col(scols, "s", "logps_at_ref_topk", "DOUBLE[]"), kl=False)
     cols += [f"ref.{c}" for c in ("k_extra", "k_mass_a")] + [f"{e} AS {n}" for n, e in pair.items()] if topk else [
-        f"NULL::{'BOOLEAN' if c in ('k_extra', 'k_ok') else 'DOUBLE'} AS {c}" for c in TOPK_STORED
+        f"{typed_null('BOOLEAN' if c in ('k_extra', 'k_ok') else 'DOUBLE')} AS {c}" for c in TOPK_STORED
     ]
     nf_s = col(scols, "s", "nonfinite", "BOOLEAN")
     nonfinite = f"(coalesce({nf_s}, false) OR coalesce(ref.nonfinite, false))"

@@ -213,8 +213,10 @@ class Rows:
         return self._run(("scorer_sums", t, float(delta_tv)), run)
 
     def token_sums(self, t: Thresholds) -> pd.DataFrame:
-        """Sums per (rollout, scorer, token string, category) of the rollout rows. The pass groups by
-        (run_id, token_id) -- ids are cheap to group -- and names them from `tokens` afterwards."""
+        """Sums per (rollout, scorer, token string, token_id, category) of the rollout rows. The pass groups
+        by (run_id, token_id) -- ids are cheap to group -- and names them from `tokens` afterwards. A token
+        the store holds no text for (recorded without a tokenizer) keeps its id as its key (token_text
+        NULL); a named token has token_id NULL, its string standing for every id that decodes to it."""
 
         def run():
             rel, params = self.sql["rollout"]
@@ -229,7 +231,8 @@ class Rows:
                 else "SELECT NULL AS run_id, NULL AS token_id, NULL AS token_text WHERE false",
             )
             named = by_id.merge(names, on=["run_id", "token_id"], how="left")
-            return rollup(named, ["rollout", "scorer", "token_text", "category"])
+            named["token_id"] = named["token_id"].astype("Int64").where(named["token_text"].isna())
+            return rollup(named, ["rollout", "scorer", "token_text", "token_id", "category"])
 
         return self._run(("token_sums", t), run)
 

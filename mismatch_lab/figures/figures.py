@@ -6,8 +6,10 @@ or raises `Skip(reason)` when the store lacks what the figure needs (no training
 variation, no exact TV): a figure is never drawn empty. Each figure has a title, axes labelled with their
 units, and a caption at the bottom saying what was measured, on what, with n. Densities are computed in
 SQL (2-D histograms, GROUP BY) and only the grid reaches matplotlib; per-sequence scatters draw one point
-per sequence. Figures 1-5 and 7 read the `collect` runs only (identical parameters on both sides);
-figure 6 the `train` runs. Definitions (r, binary TV, k3, clip range, delta) are those of `mismatch_lab.analysis`
+per sequence. Figures 1-5 read the token runs, the kinds of `schema.TOKEN_FIGURE_KINDS` (collect, and
+runs recorded or imported from a user's RL framework: μ and π taken at identical parameters); figure 7
+the `collect` runs; figure 6 the `train` runs; figure 8 every run whose sequences carry a training step
+(train, recorded, imported runs). Definitions (r, binary TV, k3, clip range, delta) are those of `mismatch_lab.analysis`
 (docs/analysis.md).
 
     1 fig1_ratio_tv_vs_mu               ratio and binary TV against mu per pair     (DPPO Fig. 2)
@@ -17,6 +19,7 @@ figure 6 the `train` runs. Definitions (r, binary TV, k3, clip range, delta) are
     5 fig5_tv_approximation             binary / top-K TV against exact TV
     6 fig6_training_curves              per-objective training curves               (DPPO Figs. 3, 5)
     7 fig7_batch_invariance             identical sequences and |dlogp| by batch size
+    8 fig8_mismatch_over_steps          mean |dp| and k3 per training step per run and pair
 """
 
 from __future__ import annotations
@@ -42,9 +45,11 @@ from mismatch_lab.analysis.clipping import clipping_by_category, top_clipped_tok
 from mismatch_lab.analysis.precision import DRIFT_COLUMNS, noise_floor, precision_table
 from mismatch_lab.analysis.relations import Filters, query
 from mismatch_lab.analysis.rows import Rows
+from mismatch_lab.analysis.steps import step_series
 from mismatch_lab.analysis.violations import train_series
 from mismatch_lab.analysis.volatility import volatility_table
 from mismatch_lab.categories import CATEGORIES
+from mismatch_lab.store.schema import TOKEN_FIGURE_KINDS
 
 
 class Skip(Exception):
@@ -114,9 +119,10 @@ def _finish(fig: Figure, title: str, caption: str, mappable=None) -> Figure:
 
 
 def _collect_run_ids(con: duckdb.DuckDBPyConnection) -> list[str]:
-    ids = [r[0] for r in con.execute("SELECT run_id FROM runs WHERE kind = 'collect' ORDER BY run_id").fetchall()]
+    ids = [r[0] for r in con.execute("SELECT run_id FROM runs WHERE list_contains(?, kind) ORDER BY run_id",
+                                     [list(TOKEN_FIGURE_KINDS)]).fetchall()]
     if not ids:
-        raise Skip("no collect runs in this store")
+        raise Skip("no collect, recorded or imported runs in this store")
     return ids
 
 
@@ -152,9 +158,17 @@ def _pair_label(rollout: str, scorer: str) -> str:
     return f"μ {rollout} vs π {scorer}"
 
 
+def _token_label(text, token_id) -> str:
+    """A token string as drawn; a token stored without text (no tokenizer was given) by its id."""
+    if isinstance(text, str):
+        return repr(text)[1:-1]
+    return f"id {int(token_id)}" if pd.notna(token_id) else "∅"
+
+
 def study_rows(con: duckdb.DuckDBPyConnection, *, materialize: bool = True) -> Rows:
-    """The row sets of the collect runs, joined once (materialize) and shared by figures 1-5: pass the
-    result as `rows=` so their analyses reuse each other's passes. Raises Skip without collect runs."""
+    """The row sets of the token runs (collect, record, import: `schema.TOKEN_FIGURE_KINDS`), joined once
+    (materialize) and shared by figures 1-5: pass the result as `rows=` so their analyses reuse each
+    other's passes. Raises Skip without such runs."""
     return Rows(con, Filters.make(run_ids=_collect_run_ids(con)), materialize=materialize)
 
 
@@ -204,7 +218,7 @@ def fig1_volatility(con: duckdb.DuckDBPyConnection, rows: Rows | None = None) ->
                                 quantile_cont({tv_expr}, 0.999) AS tv_hi, count(*) AS n
                          FROM ({base}) WHERE finite""", params).iloc[0]
     if not rng["n"]:
-        raise Skip("no finite (token, scorer) rows in the collect runs")
+        raise Skip("no finite (token, scorer) rows in the collect, recorded and imported runs")
     w = min(max(abs(rng["r_lo"] - 1), abs(rng["r_hi"] - 1), 0.02) * 1.1, 1.0)
     r_range = (1.0 - w, 1.0 + w)
     tv_range = (0.0, max(float(rng["tv_hi"]) * 1.1, d.DELTA_TV * 1.1 if rng["tv_hi"] > 0.05 else 1e-3))
@@ -243,7 +257,7 @@ def fig1_volatility(con: duckdb.DuckDBPyConnection, rows: Rows | None = None) ->
     n_rows = int(n_tok[pairs].sum())
     caption = (
         "Ratio r = π/μ (top) and binary TV |π − μ| (bottom) of the sampled token against its rollout probability "
-        "μ, at identical weights: every generated token of the collect runs, scored by the trainer-side HF scorer "
+        "μ, at identical weights: every generated token of the collect, recorded and imported runs, scored by the trainer-side HF scorer "
         f"of the rollout's own dtype, else by hf:fp32 (teacher forcing); n = {n_rows:,} finite (token, scorer) rows in {len(pairs)} "
         f"pairs (the store holds {len(all_pairs)} pairs; figure 3 summarises all). Shading: tokens per cell "
         "(log scale); values beyond the axis range are drawn at its edge. Red: statistics per linear μ bucket "
@@ -264,7 +278,7 @@ def fig2_precision_scatter(con: duckdb.DuckDBPyConnection, rows: Rows | None = N
     base, params = rows.sql["rollout"]
     h = _hist2d(con, base, params, "exp(lmu)", "exp(lpi)", (0.0, 1.0), (0.0, 1.0))
     if h.empty:
-        raise Skip("no finite (token, scorer) rows in the collect runs")
+        raise Skip("no finite (token, scorer) rows in the collect, recorded and imported runs")
     pairs = _one_per_rollout(_sorted_pairs(h), "reference")
     n_tok = h.groupby(["rollout", "scorer"])["c"].sum()
     prec = precision_table(con, _rows=rows).set_index(["rollout", "scorer"])
@@ -304,7 +318,7 @@ def fig2_precision_scatter(con: duckdb.DuckDBPyConnection, rows: Rows | None = N
         ax2.legend(fontsize=6)
     caption = (
         "Top: trainer-side probability π against rollout probability μ of the same sampled token at identical "
-        f"weights, every token of the collect runs (n = {int(n_tok[pairs].sum()):,} finite (token, scorer) rows over "
+        f"weights, every token of the collect, recorded and imported runs (n = {int(n_tok[pairs].sum()):,} finite (token, scorer) rows over "
         f"{len(pairs)} pairs: each rollout dtype scored by the hf:fp32 scorer where stored, else by the HF scorer "
         "of its own dtype); shading: "
         "tokens per cell (log scale); dashed: π = μ. Bottom: per sequence without a non-finite token "
@@ -325,7 +339,7 @@ def fig3_precision_summary(con: duckdb.DuckDBPyConnection, rows: Rows | None = N
     rows = _rows(con, rows)
     prec = precision_table(con, _rows=rows)
     if prec.empty:
-        raise Skip("no (rollout, scorer) pairs in the collect runs")
+        raise Skip("no (rollout, scorer) pairs in the collect, recorded and imported runs")
     floor = noise_floor(con, _rows=rows)
     prows = [(f"{r} vs {s}", r, "pair", row) for (r, s), row in
              zip(zip(prec["rollout"], prec["scorer"]), prec.to_dict("records"))]
@@ -370,7 +384,7 @@ def fig3_precision_summary(con: duckdb.DuckDBPyConnection, rows: Rows | None = N
     axes[0].set_yticks(y, [r[0].replace("\n", " ") for r in allrows], fontsize=6.5)
     n_rows = int(prec["n_finite"].sum())
     caption = (
-        f"Token-level mismatch at identical weights over the collect runs: {len(prows)} (rollout, scorer) pairs "
+        f"Token-level mismatch at identical weights over the collect, recorded and imported runs: {len(prows)} (rollout, scorer) pairs "
         f"with n = {n_rows:,} finite (token, scorer) rows in all (per pair: " +
         ", ".join(f"{r['rollout']}/{r['scorer']} n={int(r['n_finite']):,}" for _, _, _, r in prows[:12]) +
         (", …" if len(prows) > 12 else "") + "). Hatched bars below the line: the same metrics between a scorer "
@@ -393,7 +407,7 @@ def fig4_clipping(con: duckdb.DuckDBPyConnection, rows: Rows | None = None) -> l
     cat = cat[cat["adv_sign"] == "all"]
     top = top_clipped_tokens(con, d.TOP_N_TOKENS, _rows=rows)
     if top.empty:
-        raise Skip("no token is ratio-clipped in any pair of the collect runs")
+        raise Skip("no token is ratio-clipped in any pair of the collect, recorded and imported runs")
     clipped = top.groupby(["rollout", "scorer"])["n_ratio_clip"].sum()
     all_pairs = _sorted_pairs(cat)
     pairs = [p for p in _one_per_rollout(all_pairs, "same") if clipped.get(p, 0) > 0]
@@ -425,7 +439,7 @@ def fig4_clipping(con: duckdb.DuckDBPyConnection, rows: Rows | None = None) -> l
         t = top[(top["rollout"] == ro) & (top["scorer"] == sc)].sort_values("rank", ascending=False)
         y = np.arange(len(t))
         ax_t.barh(y, t["n_ratio_clip"], color=[CAT_COLORS.get(k, "k") for k in t["category"]])
-        ax_t.set_yticks(y, [repr(s)[1:-1] if s is not None else "∅" for s in t["token_text"]], fontsize=6)
+        ax_t.set_yticks(y, [_token_label(s, i) for s, i in zip(t["token_text"], t["token_id"])], fontsize=6)
         ax_t.set_xlabel("times ratio-clipped (count of occurrences)", fontsize=8)
         ax_t.set_ylabel("token string (colour = category)", fontsize=8)
         ax_t.set_title(f"top {len(t)} ratio-clipped token strings", fontsize=8)
@@ -436,7 +450,7 @@ def fig4_clipping(con: duckdb.DuckDBPyConnection, rows: Rows | None = None) -> l
     caption = (
         f"Which sampled tokens PPO's two-sided ratio clip (r ∉ [{d.CLIP_LOW:g}, {d.CLIP_HIGH:g}]) would drop at "
         f"identical weights, against DPPO's binary-TV (|π − μ| > {d.DELTA_TV:g}) and binary-KL (> {d.DELTA_KL:g}) "
-        f"masks, by token category, for every token of the collect runs ({'; '.join(parts)} finite tokens). "
+        f"masks, by token category, for every token of the collect, recorded and imported runs ({'; '.join(parts)} finite tokens). "
         "Right: the token strings ratio-clipped most often (count over all their occurrences). "
         + (f"Pairs with no clipped token are left out: {', '.join(f'{a}/{b}' for a, b in skipped)}." if skipped else "")
     )
@@ -503,7 +517,7 @@ def fig5_approximation(con: duckdb.DuckDBPyConnection, rows: Rows | None = None)
     caption = (
         "Binary TV (sampled token only) and top-K TV (the reference scorer's recorded top-K ids + the sampled "
         "token + one 'other' bucket) against the exact full-vocabulary TV between each scorer and the hf:fp32 "
-        f"scorer on the same prefix, every finite token of the collect runs (n = {int(stats['n_exact'].sum()):,} "
+        f"scorer on the same prefix, every finite token of the collect, recorded and imported runs (n = {int(stats['n_exact'].sum()):,} "
         f"(token, scorer) rows with exact TV; n per panel in its title). Axes log10; "
         f"values below 1e{lo} are drawn at the axis edge. Both approximations are lower bounds of the exact TV "
         "(points lie on or below the dashed line). 'Agrees' = share of tokens where approx > δ_TV and exact > δ_TV "
@@ -681,7 +695,7 @@ def fig7_batch_invariance(con: duckdb.DuckDBPyConnection, rows: Rows | None = No
     generation batch that differ only in the scorer's batch composition (`scorer.batch_tokens`, padded
     tokens per forward) or vocabulary chunk (`scorer.chunk_rows`), compared per scorer on the shared
     prefix: mean |Δ log π| and the share of bit-identical log π."""
-    runs = query(con, "SELECT run_id, engine || ':' || engine_dtype AS rollout, config FROM runs "
+    runs = query(con, f"SELECT run_id, {d.rollout_label_sql(None)} AS rollout, config FROM runs "
                       "WHERE kind = 'collect' ORDER BY run_id")
     parsed = [_batch_settings(c) for c in runs["config"]]
     runs["batch"] = [b for b, _ in parsed]
@@ -769,6 +783,62 @@ def fig7_batch_invariance(con: duckdb.DuckDBPyConnection, rows: Rows | None = No
     return [("fig7_batch_invariance", _finish(fig, title, " ".join(parts)))]
 
 
+# -- 8: mismatch over training steps ---------------------------------------------------------------
+MAX_LEGEND_LINES = 12
+
+
+def fig8_steps(con: duckdb.DuckDBPyConnection, rows: Rows | None = None) -> list[tuple[str, Figure]]:
+    """Claim (DPPO Figs. 3 and 5; FP16 study): the training–inference mismatch a run carries is not a
+    constant of the engines — it moves with training (a policy drifting into regions where the two
+    precisions disagree more), and a run whose mismatch grows is one a trust region anchored on μ has to
+    hold. Measured from the stored tokens, not from logged metrics: mean |π − μ| and mean k3 (KL(μ‖π))
+    per training step (`steps.step_series`), one line per (run, rollout, scorer), for every run whose
+    sequences carry a step (train runs, runs recorded in or imported from an RL framework). `rows` (figures 1-5's row set) is
+    not used: train runs are not in it, and collect runs have no steps."""
+    series = step_series(con)
+    series = series[series["n_finite"] > 0]
+    if series.empty:
+        raise Skip("no run over training steps (sequences.step) with finite scored tokens in this store")
+    runs = query(con, "SELECT run_id, config FROM runs")
+    objective = {r: _objective(c) for r, c in zip(runs["run_id"], runs["config"])}
+    keys = ["run_id", "rollout", "scorer"]
+    lines = [(key, g.sort_values("step")) for key, g in series.groupby(keys, sort=True)]
+    cmap = matplotlib.colormaps["tab10"]
+    panels = (
+        ("abs_dp_mean", "mean |π − μ| per step (probability)", "mean |Δp|"),
+        ("kl_k3", "mean k3 = r − log r − 1 per step (nats)", "token KL(μ‖π), k3"),
+    )
+    fig, axes = _fig(1, 2, w=4.2, h=2.9, left=0.9, wgap=1.0)
+    for ax, (col, ylabel, title) in zip(axes[0], panels):
+        for i, ((run_id, ro, sc), g) in enumerate(lines):
+            name = objective.get(run_id)
+            label = f"{name} ({run_id})" if name else run_id
+            ax.plot(g["step"], g[col], "o-", ms=2.5, lw=1.1, color=cmap(i % 10), label=f"{label}: {_pair_label(ro, sc)}")
+        pos = series[col][series[col] > 0]
+        if len(pos) and pos.max() / pos.min() > 100 and (series[col] > 0).all():
+            ax.set_yscale("log")
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("training step (optimizer steps)", fontsize=8)
+        ax.set_ylabel(ylabel, fontsize=8)
+        ax.tick_params(labelsize=7)
+        if len(lines) <= MAX_LEGEND_LINES:
+            ax.legend(fontsize=6)
+    per_line = "; ".join(
+        f"{run_id} {_pair_label(ro, sc)}: {g['step'].nunique()} steps, n = {int(g['n_finite'].sum()):,} tokens"
+        for (run_id, ro, sc), g in lines[:12]
+    ) + ("; …" if len(lines) > 12 else "")
+    caption = (
+        f"Mismatch per training step measured from the stored tokens of the runs over steps: {len(lines)} "
+        f"(run, rollout, scorer) lines ({per_line}), n = {int(series['n_finite'].sum()):,} finite (token, scorer) "
+        "rows in all. μ = the rollout engine's probability of the sampled token, π = the scorer's (trainer side) on "
+        "the same token; per step the mean over its finite rows of |π − μ| (left) and of k3 = r − log r − 1, an "
+        "unbiased estimator of KL(μ‖π) from tokens sampled from μ (right); non-finite rows are excluded and "
+        "counted in the analysis (`analyze`, key steps). Log axes where values span more than two decades."
+        + ("" if len(lines) <= MAX_LEGEND_LINES else " Too many lines for a legend: see the analysis table.")
+    )
+    return [("fig8_mismatch_over_steps", _finish(fig, "Mismatch over training steps", caption))]
+
+
 FIGURES: dict[str, Callable[[duckdb.DuckDBPyConnection], list[tuple[str, Figure]]]] = {
     "1": fig1_volatility,
     "2": fig2_precision_scatter,
@@ -777,5 +847,6 @@ FIGURES: dict[str, Callable[[duckdb.DuckDBPyConnection], list[tuple[str, Figure]
     "5": fig5_approximation,
     "6": fig6_training,
     "7": fig7_batch_invariance,
+    "8": fig8_steps,
 }
 """Figure number -> function; the command draws them in this order."""

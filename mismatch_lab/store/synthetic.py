@@ -427,18 +427,19 @@ def stepped_frames(
     steps: int,
     *,
     run_ids: list[str] | None = None,
-    kind: str = "recorded",
+    kind: str = "record",
     engine_dtype: str | None = None,
     scorers: dict[str, str] | None = None,
     drift: float = 0.0,
 ) -> dict[str, pd.DataFrame]:
     """A copy of synthetic frames in which the runs `run_ids` (default: every run holding sequences) are runs
-    over `steps` training steps: kind `kind`, engine_dtype `engine_dtype` (None = unknown, so the rollout
-    label is the engine alone), scorers renamed by `scorers` (e.g. {'hf:fp32': 'trl:fp32'}), and their
-    sequences spread over the steps in contiguous blocks of prompt groups (sequence i of n gets step
-    floor(group(i) * steps / n_groups)), so a GRPO group never spans two steps. drift > 0 plants a mismatch
-    that grows with the step: every score row of step s gets log pi lowered by drift * s (pi shrinks, so it
-    stays a probability), i.e. dlogp moves by exactly -drift * s against the unshifted store."""
+    over `steps` training steps: kind `kind` (one of schema.RUN_KINDS), engine_dtype `engine_dtype` (None =
+    unknown, so the rollout label is the engine alone), scorers renamed by `scorers` (e.g. {'hf:fp32':
+    'trl:fp32'}), and their sequences spread over the steps in contiguous blocks of prompt groups (sequence
+    i of n gets step floor(group(i) * steps / n_groups)), so a GRPO group never spans two steps. drift > 0
+    plants a mismatch that grows with the step: every score row of step s gets log pi lowered by drift * s
+    (pi shrinks, so it stays a probability), i.e. dlogp moves by exactly -drift * s against the unshifted
+    store."""
     out = {k: v.copy() for k, v in frames.items()}
     seqs = out["sequences"]
     ids = list(dict.fromkeys(seqs["run_id"])) if run_ids is None else list(run_ids)

@@ -120,3 +120,49 @@ def row_of(df: pd.DataFrame, **match) -> pd.Series:
         sel = sel[sel[k] == v]
     assert len(sel) == 1, f"expected one row for {match}, got {len(sel)}"
     return sel.iloc[0]
+
+
+def rollout_label(engine, dtype) -> str:
+    """'<engine>:<dtype>', or the engine alone where the dtype is unknown (None, NaN or empty)."""
+    return f"{engine}:{dtype}" if isinstance(dtype, str) and dtype else str(engine)
+
+
+def naive_pair_rows(frames: dict[str, pd.DataFrame]) -> pd.DataFrame:
+    """Vectorised pandas reference of the rollout pairs: one row per (token, scorer) of frames as written,
+    with rollout (rollout_label), scorer, step, category ('uncategorized' where NULL), entropy, tv_exact,
+    adv_sign (stored advantage), finite and, on finite rows, dp, abs_dp, dlogp, abs_dlogp, r, k3."""
+    runs = frames["runs"]
+    labels = runs.assign(rollout=[rollout_label(e, t) for e, t in zip(runs["engine"], runs["engine_dtype"])])
+    tok = frames["tokens"].merge(labels[["run_id", "rollout"]], on="run_id")
+    sc = frames["scores"]
+    df = tok.merge(sc, on=["run_id", "seq_id", "pos"])
+    seqs = frames["sequences"]
+    seq_cols = ["run_id", "seq_id"] + [c for c in ("step", "advantage") if c in seqs]
+    df = df.merge(seqs[seq_cols], on=["run_id", "seq_id"], how="left")
+    lmu = pd.to_numeric(df["logp_rollout"], errors="coerce").to_numpy(dtype=float, na_value=np.nan)
+    lpi = pd.to_numeric(df["logp"], errors="coerce").to_numpy(dtype=float, na_value=np.nan)
+    with np.errstate(over="ignore", invalid="ignore"):
+        r = np.exp(lpi - lmu)
+        finite = np.isfinite(lmu) & np.isfinite(lpi) & np.isfinite(r) & ~df["nonfinite"].fillna(False).astype(bool).to_numpy()
+        mu, pi = np.exp(lmu), np.exp(lpi)
+    out = pd.DataFrame({
+        "run_id": df["run_id"], "seq_id": df["seq_id"], "pos": df["pos"], "rollout": df["rollout"],
+        "scorer": df["scorer"], "token_id": df["token_id"],
+        "step": df["step"].astype("Int64") if "step" in df else pd.array([pd.NA] * len(df), dtype="Int64"),
+        "category": df["category"].fillna("uncategorized") if "category" in df else "uncategorized",
+        "entropy": _numeric(df, "entropy"),
+        "tv_exact": _numeric(df, "tv_exact_vs_ref"),
+        "advantage": _numeric(df, "advantage"),
+        "finite": finite,
+    })  # fmt: skip
+    out["adv_sign"] = np.where(out["advantage"] > 0, "positive", np.where(out["advantage"] < 0, "negative", None))
+    for name, values in {"dp": pi - mu, "dlogp": lpi - lmu, "r": r, "k3": r - (lpi - lmu) - 1.0}.items():
+        out[name] = np.where(finite, values, np.nan)
+    out["abs_dp"], out["abs_dlogp"] = out["dp"].abs(), out["dlogp"].abs()
+    return out
+
+
+def _numeric(df: pd.DataFrame, column: str) -> pd.Series:
+    if column not in df:
+        return pd.Series(np.nan, index=df.index)
+    return pd.Series(pd.to_numeric(df[column], errors="coerce").to_numpy(dtype=float, na_value=np.nan), index=df.index)

@@ -153,12 +153,15 @@ def test_inspector_jumps_to_the_worst_sequences(monkeypatch, full_store):
 
 def test_training_draws_curves_per_objective_and_opens_a_step_in_the_inspector(monkeypatch, full_store):
     at = visit(start(monkeypatch, full_store), "training")
-    assert [s.value for s in at.subheader] == ["Curves per objective", "Sequences of a step"]
-    assert len(at.get("vega_lite_chart")) == 3
+    assert [s.value for s in at.subheader] == ["Curves per objective", "Mismatch per step", "Sequences of a step"]
+    assert len(at.get("vega_lite_chart")) == 3 + 2  # three logged metrics, two per-step mismatch metrics
     assert at.multiselect(key="train_runs").value == ["train-dppo", "train-grpo"]
+    per_step = at.dataframe[0].value  # the per-step table, in its expander
+    assert sorted(set(zip(per_step["run_id"], per_step["step"]))) == [(r, s) for r in ("train-dppo", "train-grpo")
+                                                                       for s in range(3)]  # fmt: skip
     at.select_slider(key="train_step:train-dppo").set_value(1).run()
     assert not at.exception
-    assert at.dataframe[0].value["step"].eq(1).all()
+    assert at.dataframe[-1].value["step"].eq(1).all()
     next(b for b in at.button if b.label == "Open step 1 in the token inspector").click().run()
     assert not at.exception
     assert [t.value for t in at.title] == ["Token inspector"]

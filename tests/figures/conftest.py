@@ -4,8 +4,10 @@
 from a synthetic store holding: two collect rollouts (vllm:bf16 at gen_batch 0 = whole chunk, vllm:fp16),
 a third collect run repeating vllm:bf16 at gen_batch 1 in which `CHANGED_SEQUENCES` sequences differ by one
 token (the batch-invariance answer), a fourth repeating it with another scorer batch composition in which
-only hf:bf16's log-probs move, by `SCORER_SHIFT` (the scorer-batching answer), three scorers with top-K and exact TV, rewards, and a training run
-with a loss name and a reward series.
+only hf:bf16's log-probs move, by `SCORER_SHIFT` (the scorer-batching answer), three scorers with top-K and exact TV, rewards, a training run
+with a loss name and a reward series, and a recorded run (`RECORDED`: a copy of the vllm:fp16 run as a
+user's RL framework would record it: kind 'record', dtype unknown, scorers 'trl:*', sequences over
+`RECORDED_STEPS` steps with the mismatch planted to grow by `RECORDED_DRIFT` nats of log pi per step).
 """
 
 from __future__ import annotations
@@ -17,7 +19,12 @@ import pandas as pd
 import pytest
 
 from mismatch_lab.store.parquet import export
-from mismatch_lab.store.synthetic import SyntheticSpec, synthetic_store, write_store
+from mismatch_lab.store.synthetic import (
+    SyntheticSpec,
+    stepped_frames,
+    synthetic_store,
+    write_store,
+)
 
 SPEC = SyntheticSpec(
     rollouts=("vllm:bf16", "vllm:fp16"),
@@ -35,6 +42,9 @@ SPEC = SyntheticSpec(
 CHUNK = {"chunk_prompts": 3, "samples": 4}  # gen_batch 0 = the whole chunk = 12 requests
 CHANGED_SEQUENCES = 3  # sequences of the batch-1 run that differ from the whole-chunk run
 SCORER_SHIFT = 2e-3  # hf:bf16 log pi shift of the run scored one sequence per forward
+RECORDED = "recorded-trl"
+RECORDED_STEPS = 3  # one per prompt group of the copied run (12 sequences, 4 per prompt)
+RECORDED_DRIFT = 0.3  # nats per step: well above the dtype noise and the planted ratios
 
 
 def batch_variant(frames: dict[str, pd.DataFrame]) -> dict[str, pd.DataFrame]:
@@ -79,6 +89,23 @@ def batch_variant(frames: dict[str, pd.DataFrame]) -> dict[str, pd.DataFrame]:
     return out
 
 
+def with_recorded_run(frames: dict[str, pd.DataFrame]) -> dict[str, pd.DataFrame]:
+    """The frames plus RECORDED: a copy of the vllm:fp16 collect run's sequences, tokens and scores as a
+    recorded run over RECORDED_STEPS steps (stepped_frames: dtype unknown, scorers renamed 'trl:*', log pi
+    lowered by RECORDED_DRIFT * step)."""
+    runs = frames["runs"]
+    src = runs[(runs["kind"] == "collect") & (runs["engine_dtype"] == "fp16")].iloc[0]["run_id"]
+    out = dict(frames)
+    copy = runs[runs["run_id"] == src].assign(run_id=RECORDED, config=json.dumps({"framework": "trl"}))
+    out["runs"] = pd.concat([runs, copy], ignore_index=True)
+    for table in ("sequences", "tokens", "scores"):
+        part = frames[table][frames[table]["run_id"] == src].assign(run_id=RECORDED)
+        out[table] = pd.concat([frames[table], part], ignore_index=True)
+    renamed = {s: "trl:" + s.split(":")[1] for s in SPEC.scorers}
+    return stepped_frames(out, RECORDED_STEPS, run_ids=[RECORDED], kind="record", engine_dtype=None,
+                          scorers=renamed, drift=RECORDED_DRIFT)
+
+
 @pytest.fixture(scope="session")
 def changed_sequences() -> int:
     """How many sequences of the batch-1 run differ from the whole-chunk run (the planted answer)."""
@@ -96,7 +123,7 @@ def figure_store(tmp_path_factory):
     """(path of the DuckDB store, frames written)."""
     tmp = tmp_path_factory.mktemp("figstore")
     base = synthetic_store(tmp / "base.duckdb", SPEC)
-    frames = batch_variant(base.frames)
+    frames = with_recorded_run(batch_variant(base.frames))
     path = write_store(tmp / "tiny.duckdb", frames)
     return path, frames
 

@@ -15,7 +15,7 @@ from mismatch_lab.store.reader import open_store
 
 STEMS = {
     "fig1_ratio_tv_vs_mu", "fig2_pi_vs_mu_seq_drift", "fig3_precision_summary", "fig4_clipped_tokens",
-    "fig5_tv_approximation", "fig6_training_curves", "fig7_batch_invariance",
+    "fig5_tv_approximation", "fig6_training_curves", "fig7_batch_invariance", "fig8_mismatch_over_steps",
 }  # fmt: skip
 UNIT = re.compile(r"\([^)]*[a-z%][^)]*\)")  # a parenthesised unit, e.g. "(probability)", "(nats)"
 
@@ -93,6 +93,27 @@ def test_figure_statistics_match_the_analysis(drawn, figure_study):
         assert np.isclose(widths, v).any()
 
 
+def test_steps_figure_draws_the_step_series_of_the_recorded_run(drawn, figure_study):
+    """Fig. 8's lines are steps.step_series (mean |dp| left, k3 right), one per (run, pair), and show the
+    planted drift: log pi lowered by RECORDED_DRIFT * step, so |dlogp| and k3 grow step by step."""
+    from conftest import RECORDED, RECORDED_DRIFT, RECORDED_STEPS
+
+    from mismatch_lab.analysis.steps import step_series
+
+    series = step_series(open_store(figure_study))
+    assert set(series["run_id"]) == {RECORDED} and set(series["rollout"]) == {"vllm"}
+    fig = drawn["fig8_mismatch_over_steps"]
+    ax_dp, ax_k3 = fig.axes[:2]
+    assert len(ax_dp.lines) == len(ax_k3.lines) == series.groupby("scorer").ngroups == 3
+    for (scorer, g), line_dp, line_k3 in zip(series.groupby("scorer", sort=True), ax_dp.lines, ax_k3.lines):
+        assert scorer in line_dp.get_label() and "vllm" in line_dp.get_label()
+        assert list(line_dp.get_xdata()) == list(range(RECORDED_STEPS))
+        np.testing.assert_allclose(line_dp.get_ydata(), g["abs_dp_mean"], rtol=1e-12)
+        np.testing.assert_allclose(line_k3.get_ydata(), g["kl_k3"], rtol=1e-12)
+        assert np.all(np.diff(g["abs_dlogp_mean"]) > RECORDED_DRIFT / 2)  # the planted growth, step by step
+    assert any(f"n = {int(series['n_finite'].sum()):,} finite" in t.get_text().replace("\n", " ") for t in fig.texts)
+
+
 def test_command_writes_png_and_pdf_for_all_studies(figure_study, capsys):
     # every figure is drawn from the stored study by `drawn`; the command is run on two of them to keep the
     # folder fast (saving PNG + PDF is most of a figure's cost)
@@ -112,12 +133,14 @@ def test_command_writes_png_and_pdf_for_all_studies(figure_study, capsys):
 
 def test_absent_data_is_skipped_with_a_note(plain_study, capsys):
     con = open_store(plain_study)
-    for num in ("5", "6", "7"):  # no exact TV, no training run, one batch size
+    for num in ("5", "6", "7", "8"):  # no exact TV, no training run, one batch size, no steps
         with pytest.raises(Skip):
             FIGURES[num](con)
-    assert main(["figures", str(plain_study), "--only", "6", "7", "--format", "png"]) == 0
+    assert main(["figures", str(plain_study), "--only", "6", "7", "8", "--format", "png"]) == 0
     printed = capsys.readouterr().out
     assert "figure 6 skipped: no training run" in printed and "figure 7 skipped" in printed
+    assert "figure 8 skipped: no run over training steps" in printed
+    assert not (plain_study / "figures" / "fig8_mismatch_over_steps.png").exists()
     assert not (plain_study / "figures" / "fig6_training_curves.png").exists()
 
 

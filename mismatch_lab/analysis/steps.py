@@ -1,0 +1,69 @@
+"""Mismatch over training steps: the precision metrics per step of the runs whose sequences carry a step.
+
+Train runs, and runs recorded in or imported from a user's RL framework, store `sequences.step`; collect
+runs leave it NULL and are not part of this table. One row per (run_id, rollout, scorer, step), over the
+(token, scorer) rows of the run's sequences of that step (the rollout row set of `relations`, joined to
+`sequences` on (run_id, seq_id); a token whose sequence row is missing or has no step is left out):
+* n_tokens       (token, scorer) rows of the step, non-finite ones included
+* n_nonfinite    rows excluded as non-finite (definitions.finite_sql)
+* n_finite       n_tokens - n_nonfinite: the denominator of every mean and share below
+* abs_dp_mean    mean |pi - mu|                      (probability space)
+* abs_dlogp_mean mean |log pi - log mu|              (log space, nats)
+* kl_k3          mean k3 = r - log r - 1             (token-level estimate of KL(mu || pi), nats)
+* frac_ratio_outside_clip  share with r < clip_low or r > clip_high (default [0.8, 1.28])
+The metrics are those of `precision.token_metrics`, computed from the same additive sums
+(`rows.sums_sql`), so a step's row equals the precision table of that step's tokens alone.
+"""
+
+from __future__ import annotations
+
+import duckdb
+import pandas as pd
+
+from mismatch_lab.analysis import definitions as d
+from mismatch_lab.analysis.precision import token_metrics
+from mismatch_lab.analysis.relations import Filters, empty, query, table_columns
+from mismatch_lab.analysis.rows import PRECISION_SUMS, Rows, Thresholds, sums_sql
+
+METRIC_COLUMNS = ["abs_dp_mean", "abs_dlogp_mean", "kl_k3", "frac_ratio_outside_clip"]
+STEP_COLUMNS = ["run_id", "rollout", "scorer", "step", "n_tokens", "n_nonfinite", "n_finite", *METRIC_COLUMNS]
+
+
+def has_steps(con: duckdb.DuckDBPyConnection) -> bool:
+    """Whether any sequence of the store carries a training step."""
+    if "step" not in table_columns(con, "sequences"):
+        return False
+    return con.execute("SELECT EXISTS (SELECT 1 FROM sequences WHERE step IS NOT NULL)").fetchone()[0]
+
+
+def step_series(
+    con: duckdb.DuckDBPyConnection,
+    *,
+    rollout=None,
+    scorer=None,
+    run_ids=None,
+    clip_low: float = d.CLIP_LOW,
+    clip_high: float = d.CLIP_HIGH,
+    _rows: Rows | None = None,
+) -> pd.DataFrame:
+    """Per (run_id, rollout, scorer, step) of the runs over steps: counts, mean |dp|, mean |dlogp|, mean k3
+    and the share of r outside [clip_low, clip_high] over the step's finite (token, scorer) rows (module
+    doc). Ordered by run_id, rollout, scorer, step; empty (with these columns) when no sequence has a step.
+    `rollout` / `scorer` / `run_ids` filter as in every analysis (a label, a list, or None for all)."""
+    rows = _rows or Rows(con, Filters.make(rollout, scorer, run_ids), topk=False)  # _rows: run_all's row set
+    if not rows.ok or not has_steps(con):
+        return empty(STEP_COLUMNS)
+    rel, params = rows.sql["rollout"]
+    t = Thresholds(clip_low=clip_low, clip_high=clip_high)
+    sql = f"""
+        SELECT b.run_id::VARCHAR AS run_id, b.rollout, b.scorer, q.step, {sums_sql(t, PRECISION_SUMS)}
+        FROM ({rel}) b
+        JOIN (SELECT run_id, seq_id, step FROM sequences WHERE step IS NOT NULL) q
+          ON q.run_id = b.run_id AND q.seq_id = b.seq_id
+        GROUP BY ALL"""
+    s = query(con, sql, params)
+    if s.empty:
+        return empty(STEP_COLUMNS)
+    out = pd.concat([s[["run_id", "rollout", "scorer", "step"]], token_metrics(s)], axis=1)
+    out["step"] = out["step"].astype("int64")
+    return out.sort_values(["run_id", "rollout", "scorer", "step"]).reset_index(drop=True)[STEP_COLUMNS]
