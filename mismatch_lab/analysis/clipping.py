@@ -44,6 +44,9 @@ RULES = {
     "negative": {"clip": ("c_lo",), "tv": "c_tv_down", "kl": "c_kl_down", "ktv": "c_ktv_down", "kkl": "c_kkl_down",
                      "clip_keep": ("c_lo_keep",), "tv_inside": "c_tv_down_inside", "mu_clip": ("s_mu_lo",)},
 }  # fmt: skip
+TWO_SIDED_SUMS = ("n", "n_nonfinite", "s_mu", "s_ent", "n_ent", "n_topk",
+                  *(c for v in RULES["all"].values() for c in ((v,) if isinstance(v, str) else v)))
+"""The sums clip_metrics(s, 'all') reads: all the per-token-string pass computes."""
 
 
 def clip_metrics(s: pd.DataFrame, sign: str) -> pd.DataFrame:
@@ -170,7 +173,7 @@ def top_clipped_tokens(
     rows = _rows or Rows(con, Filters.make(rollout, scorer, run_ids))
     if not rows.ok:
         return empty(TOKEN_COLUMNS)
-    s = rows.token_sums(_thresholds(eps_low, eps_high, delta_tv, delta_kl))
+    s = rows.token_sums(_thresholds(eps_low, eps_high, delta_tv, delta_kl), TWO_SIDED_SUMS)
     if s.empty:
         return empty(TOKEN_COLUMNS)
     out = pd.concat([s[["rollout", "scorer", "token_text", "token_id", "category"]], clip_metrics(s, "all")], axis=1)

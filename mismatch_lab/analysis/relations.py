@@ -35,11 +35,23 @@ def as_list(value: str | Iterable[str] | None) -> list[str] | None:
 
 
 def table_columns(con: duckdb.DuckDBPyConnection, table: str) -> set[str]:
-    """Column names of a table or view in the main schema (empty set when it does not exist)."""
+    """Column names of a table or view in the main schema (empty set when it does not exist), without
+    the contract columns a Parquet store lacks and its view fills with NULL (reader.FILLED_COLUMNS):
+    queries then use a typed NULL constant instead of reading, or materialising, an empty column."""
     rows = con.execute(
         "SELECT column_name FROM information_schema.columns WHERE table_name = ? AND table_schema = 'main'",
         [table],
     ).fetchall()
+    return {r[0] for r in rows} - _filled(con, table)
+
+
+def _filled(con: duckdb.DuckDBPyConnection, table: str) -> set[str]:
+    from mismatch_lab.store.reader import FILLED_COLUMNS
+
+    try:
+        rows = con.execute(f"SELECT column_name FROM {FILLED_COLUMNS} WHERE table_name = ?", [table]).fetchall()
+    except duckdb.CatalogException:
+        return set()  # a DuckDB store: its columns are what its tables hold
     return {r[0] for r in rows}
 
 
@@ -85,17 +97,18 @@ class Filters:
 
 
 def advantage_sql(con: duckdb.DuckDBPyConnection, sign_type: str = "VARCHAR") -> str:
-    """Subquery (run_id, seq_id, adv_sign) for the sequences whose advantage has a sign (definitions.
-    ADV_SIGNS); no rows where neither advantage nor reward is stored."""
+    """Subquery (run_id, seq_id, step, adv_sign) with one row per sequence: its training step (NULL for
+    collect runs) and the sign of its advantage (definitions.ADV_SIGNS; NULL where the advantage is 0 or
+    neither advantage nor reward is stored)."""
     cols = table_columns(con, "sequences")
     adv, rew = col(cols, "q", "advantage", "DOUBLE"), col(cols, "q", "reward", "DOUBLE")
     step, prompt = col(cols, "q", "step", "INTEGER"), col(cols, "q", "prompt_id", "VARCHAR")
     return f"""
-        SELECT run_id, seq_id, (CASE WHEN a > 0 THEN 'positive' ELSE 'negative' END)::{sign_type} AS adv_sign
-        FROM (SELECT q.run_id, q.seq_id,
+        SELECT run_id, seq_id, step,
+               (CASE WHEN a > 0 THEN 'positive' WHEN a < 0 THEN 'negative' END)::{sign_type} AS adv_sign
+        FROM (SELECT q.run_id, q.seq_id, {step} AS step,
                      coalesce({adv}, {rew} - avg({rew}) OVER (PARTITION BY q.run_id, {step}, {prompt})) AS a
-              FROM sequences q)
-        WHERE a > 0 OR a < 0"""
+              FROM sequences q)"""
 
 
 def _anchor(kl: bool = True) -> str:
@@ -119,7 +132,8 @@ def rollout_base(
 ) -> tuple[str, dict]:
     """SQL + params: one row per (token, scorer) with rollout, scorer, run_id, seq_id, token_id, category,
     entropy, tv_exact (scores.tv_exact_vs_ref), lmu, lpi, finite; with topk the top-K parts (TOPK_STORED,
-    mu's recorded top-K against the scorer's logps_at_rollout_topk; else NULL); with advantage adv_sign
+    mu's recorded top-K against the scorer's logps_at_rollout_topk; else NULL); with advantage the
+    sequence's step and adv_sign
     ('positive' / 'negative' / NULL). `enums` (column -> ENUM type) casts those label columns where the
     fewest rows pass: the rollout label on `runs`, the category on `tokens`, before the join."""
     enums = enums or {}
@@ -149,7 +163,7 @@ def rollout_base(
     if advantage:
         sign = advantage_sql(con, enums.get("adv_sign", "VARCHAR"))
         adv_join = f"LEFT JOIN ({sign}) adv ON adv.run_id = t.run_id AND adv.seq_id = t.seq_id"
-        cols.append("adv.adv_sign")
+        cols += ["adv.adv_sign", "adv.step"]
     nonfinite = col(scols, "s", "nonfinite", "BOOLEAN")
     runs = f"SELECT run_id, {cast(d.ROLLOUT_LABEL_SQL, 'rollout')} AS rollout FROM runs"
     base = f"""

@@ -32,6 +32,7 @@ from mismatch_lab.analysis.relations import (
     rollout_base,
     scorer_base,
     table_columns,
+    typed_null,
     with_metrics,
 )
 
@@ -92,7 +93,7 @@ PRECISION_SUMS = ("n", "n_nonfinite", "s_btv", "x_btv", "s_dp", "s_adlogp", "x_a
 
 def rollup(grid: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
     """Sum a sums-grid over every key not in `keys` (x_ maxima by max). NULL keys form their own group."""
-    agg = {c: ("max" if c.startswith("x_") else "sum") for c in SUM_COLUMNS}
+    agg = {c: ("max" if c.startswith("x_") else "sum") for c in SUM_COLUMNS if c in grid.columns}
     return grid.groupby(keys, dropna=False, sort=False).agg(agg).reset_index()
 
 
@@ -114,26 +115,37 @@ class Rows:
         self._tables: list[str] = []
         if not self.ok:
             return
+        tcols, scols = table_columns(con, "tokens"), table_columns(con, "scores")
+        # top-K work only where the store holds top-K lists (recorded runs usually do not)
+        rollout_topk = topk and {"topk_ids_rollout", "topk_logps_rollout"} <= tcols and "logps_at_rollout_topk" in scols
+        scorer_topk = topk and {"topk_ids", "topk_logps", "logps_at_ref_topk"} <= scols
         # the scorer side (scorer vs reference) is read live: two passes cost less than materialising it
         self.sql: dict[str, tuple[str, dict]] = {}
-        sql, params = scorer_base(con, self.filters, reference, topk=topk)
+        sql, params = scorer_base(con, self.filters, reference, topk=scorer_topk)
         self.sql["scorer"] = (with_metrics(sql), params)
         sql, params = scorer_base(con, self.filters, reference, topk=False)
         self.sql["scorer_plain"] = (with_metrics(sql), params)  # for the per-sequence pass: no top-K
-        sql, params = rollout_base(con, self.filters, topk=topk, enums=self._enums() if materialize else None)
+        sql, params = rollout_base(con, self.filters, topk=rollout_topk, enums=self._enums() if materialize else None)
         if materialize:
-            self.sql["rollout"] = (with_metrics(self._materialize("rollout", sql, params), STORED_METRICS), {})
+            # columns the store lacks are constants: added after the join instead of stored per row
+            const = {name: "DOUBLE" for name, src in (("entropy", "entropy"), ("tv_exact", "tv_exact_vs_ref"))
+                     if src not in scols}
+            if not rollout_topk:
+                const["topk"] = "STRUCT(tv DOUBLE, kl DOUBLE)"
+            self.sql["rollout"] = (with_metrics(self._materialize("rollout", sql, params, const), STORED_METRICS), {})
         else:
             self.sql["rollout"] = (with_metrics(sql), params)
 
     # -- materialisation ------------------------------------------------------------------------------
-    def _materialize(self, side: str, base: str, params: dict) -> str:
+    def _materialize(self, side: str, base: str, params: dict, const: dict[str, str]) -> str:
         """Join once into a temp table: base columns (labels already ENUMs) and STORED_METRICS, without
-        the top-K parts they were computed from."""
+        the top-K parts they were computed from; `const` (name -> SQL type) columns are NULL constants
+        added to the result instead of stored."""
         table = f"_ml_{side}_{uuid.uuid4().hex[:10]}"
         names = [r[0] for r in self.con.execute(f"DESCRIBE {base}", _used(base, params)).fetchall()]
         stored = metrics_sql()
-        select = ", ".join([n for n in names if n not in TOPK_STORED] + [f"{stored[m]} AS {m}" for m in STORED_METRICS])
+        select = ", ".join([n for n in names if n not in TOPK_STORED and n not in const]
+                           + [f"{stored[m]} AS {m}" for m in STORED_METRICS if m not in const])
         # Row order is irrelevant to every pass; not keeping it lets DuckDB write in parallel.
         (order,) = self.con.execute("SELECT current_setting('preserve_insertion_order')").fetchone()
         self.con.execute("SET preserve_insertion_order = false")
@@ -142,7 +154,8 @@ class Rows:
         finally:
             self.con.execute(f"SET preserve_insertion_order = {bool(order)}")
         self._tables.append(table)
-        return f"SELECT * FROM temp.{table}"
+        added = "".join(f", {typed_null(typ)} AS {name}" for name, typ in const.items())
+        return f"SELECT *{added} FROM temp.{table}"
 
     def _enums(self) -> dict[str, str]:
         """ENUM types for the label columns: one byte a row instead of a string."""
@@ -212,16 +225,17 @@ class Rows:
 
         return self._run(("scorer_sums", t, float(delta_tv)), run)
 
-    def token_sums(self, t: Thresholds) -> pd.DataFrame:
+    def token_sums(self, t: Thresholds, only: tuple[str, ...] | None = None) -> pd.DataFrame:
         """Sums per (rollout, scorer, token string, token_id, category) of the rollout rows. The pass groups
         by (run_id, token_id) -- ids are cheap to group -- and names them from `tokens` afterwards. A token
         the store holds no text for (recorded without a tokenizer) keeps its id as its key (token_text
-        NULL); a named token has token_id NULL, its string standing for every id that decodes to it."""
+        NULL); a named token has token_id NULL, its string standing for every id that decodes to it.
+        `only`: the sums to compute (default all): the pass groups ~10^5 keys, each sum costs."""
 
         def run():
             rel, params = self.sql["rollout"]
             sql = f"""
-                SELECT rollout, scorer, run_id, token_id, category, {sums_sql(t)}
+                SELECT rollout, scorer, run_id, token_id, category, {sums_sql(t, only)}
                 FROM ({rel}) GROUP BY ALL"""
             by_id = query(self.con, sql, params)
             names = query(
@@ -234,7 +248,7 @@ class Rows:
             named["token_id"] = named["token_id"].astype("Int64").where(named["token_text"].isna())
             return rollup(named, ["rollout", "scorer", "token_text", "token_id", "category"])
 
-        return self._run(("token_sums", t), run)
+        return self._run(("token_sums", t, only), run)
 
     def quantiles(self, scale: str, n_buckets: int) -> pd.DataFrame:
         """Per (rollout, scorer, mu bucket of `scale`): quantiles of r (definitions.RATIO_QUANTILES) and the

@@ -2,8 +2,8 @@
 
 Train runs, and runs recorded in or imported from a user's RL framework, store `sequences.step`; collect
 runs leave it NULL and are not part of this table. One row per (run_id, rollout, scorer, step), over the
-(token, scorer) rows of the run's sequences of that step (the rollout row set of `relations`, joined to
-`sequences` on (run_id, seq_id); a token whose sequence row is missing or has no step is left out):
+(token, scorer) rows of the run's sequences of that step (the rollout row set of `relations`, which carries
+each token's sequence step; a token whose sequence row is missing or has no step is left out):
 * n_tokens       (token, scorer) rows of the step, non-finite ones included
 * n_nonfinite    rows excluded as non-finite (definitions.finite_sql)
 * n_finite       n_tokens - n_nonfinite: the denominator of every mean and share below
@@ -55,11 +55,10 @@ def step_series(
         return empty(STEP_COLUMNS)
     rel, params = rows.sql["rollout"]
     t = Thresholds(clip_low=clip_low, clip_high=clip_high)
+    # the row set carries each token's sequence step (relations.advantage_sql): no second join
     sql = f"""
-        SELECT b.run_id::VARCHAR AS run_id, b.rollout, b.scorer, q.step, {sums_sql(t, PRECISION_SUMS)}
-        FROM ({rel}) b
-        JOIN (SELECT run_id, seq_id, step FROM sequences WHERE step IS NOT NULL) q
-          ON q.run_id = b.run_id AND q.seq_id = b.seq_id
+        SELECT run_id::VARCHAR AS run_id, rollout, scorer, step, {sums_sql(t, PRECISION_SUMS)}
+        FROM ({rel}) WHERE step IS NOT NULL
         GROUP BY ALL"""
     s = query(con, sql, params)
     if s.empty:

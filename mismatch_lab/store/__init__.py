@@ -1,4 +1,4 @@
-"""DuckDB store: schema (the data contract of DESIGN.md), writer, read-only reader, Parquet export."""
+"""The store: schema (the data contract, docs/design.md), DuckDB writer, Parquet shard store, read-only reader, export."""
 
 from mismatch_lab.store.schema import SCHEMA_VERSION, create_schema
 

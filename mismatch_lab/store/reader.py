@@ -35,6 +35,10 @@ READER_MEMORY_LIMIT = "3GB"
 """DuckDB's own default is 80 % of RAM, which a reader could take from a collect running beside it. At
 3 GB `analyze` of 10^7 tokens still runs in memory (peak RSS ~3.3 GB, docs/analysis.md); larger stores
 spill to a private temporary directory instead of failing."""
+FILLED_COLUMNS = "_ml_filled_columns"
+"""Table of (table_name, column_name): the contract columns a Parquet store lacks, which its views fill
+with typed NULLs. `analysis.relations.table_columns` reports them absent, so the analyses neither read
+nor materialise columns that hold nothing."""
 SNAPSHOT_TRIES = 3  # a copy taken while the writer checkpoints can be torn; a retry a moment later is not
 
 
@@ -145,6 +149,7 @@ def _open_parquet_dir(d: Path) -> duckdb.DuckDBPyConnection:
     shards = is_shard_store(d)
     contract = _contract_columns()
     con = duckdb.connect()
+    con.execute(f"CREATE TABLE {FILLED_COLUMNS}(table_name VARCHAR, column_name VARCHAR)")
     for table in TABLES:
         src = sources.get(table)
         if src is None:
@@ -157,6 +162,9 @@ def _open_parquet_dir(d: Path) -> duckdb.DuckDBPyConnection:
             con.close()
             raise UserError(f"cannot read {src} as Parquet ({_last_line(exc)}); re-export the store") from exc
         missing = [f"NULL::{typ} AS {name}" for name, typ in contract[table] if name not in present]
+        for name, _ in contract[table]:
+            if name not in present:
+                con.execute(f"INSERT INTO {FILLED_COLUMNS} VALUES (?, ?)", [table, name])
         select = f"SELECT *{''.join(', ' + m for m in missing)} FROM {reader}"
         if table == "runs" and shards:
             firsts = ", ".join(f"arg_min({name}, rank) AS {name}" for name, _ in contract["runs"]

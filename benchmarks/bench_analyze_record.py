@@ -1,0 +1,139 @@
+"""Benchmark: `analyze` on a recorded run of N tokens (a shard store written through the Recorder), against
+a single-pass DuckDB aggregate over the same joined rows, measured in the same run.
+
+    .venv/bin/python benchmarks/bench_analyze_record.py --tokens 10000000       # ~10 M: ratio to one pass
+    .venv/bin/python benchmarks/bench_analyze_record.py --tokens 100000000      # 100 M: time and peak RSS
+
+The store is a synthetic recorded GRPO-like run (two ranks, steps of 64 sequences x 1024 response tokens
+per rank, log mu from a long-tailed distribution, log pi = log mu + noise, per-sequence advantages and
+rewards, no top-K / entropy / categories: what a framework's recorder gives) written once to
+benchmarks/out/record-<N> (git-ignored) and reused. Each measurement runs in a fresh subprocess and reports
+wall seconds and its peak RSS (getrusage ru_maxrss):
+  * analyze    run_all (every analysis, the per-step series included) + the JSON `analyze --json` writes;
+  * one pass   one GROUP BY (rollout, scorer, step) over tokens JOIN scores JOIN sequences computing the
+               token means the per-step series reports (mean |dp|, |dlogp|, k3, clipped share): the floor
+               for reading every token once.
+Targets (issue): 100 M tokens under 5 minutes and 8 GiB on 2 cores, memory not growing with the token
+count; 10 M tokens within 2x of the one-pass aggregate. The CPU model and load are printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+OUT = Path(__file__).resolve().parent / "out"
+B, T = 64, 1024
+
+ONE_PASS = """
+    SELECT r.engine AS rollout, s.scorer, q.step, count(*) AS n,
+           avg(abs(exp(s.logp) - exp(t.logp_rollout))) AS abs_dp, avg(abs(s.logp - t.logp_rollout)) AS abs_dlogp,
+           avg(exp(s.logp - t.logp_rollout) - (s.logp - t.logp_rollout) - 1) AS k3,
+           avg(CASE WHEN exp(s.logp - t.logp_rollout) NOT BETWEEN 0.8 AND 1.28 THEN 1.0 ELSE 0.0 END) AS clipped
+    FROM tokens t JOIN scores s USING (run_id, seq_id, pos) JOIN sequences q USING (run_id, seq_id)
+    JOIN runs r USING (run_id)
+    GROUP BY ALL"""
+
+
+def cpu_model() -> str:
+    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    name = next((ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("model name")), "unknown")
+    flags = sorted({f for f in ("avx512_bf16", "avx512_fp16", "amx_bf16") if f in text.split()})
+    return f"{name} ({os.cpu_count()} cores; {', '.join(flags) or 'no avx512_bf16/avx512_fp16/amx_bf16'})"
+
+
+def build(path: Path, n_tokens: int) -> None:
+    import numpy as np
+
+    from mismatch_lab.record import Recorder
+
+    steps = max(1, n_tokens // (2 * B * T))
+    t0 = time.perf_counter()
+    recs = [Recorder(path, "bench", framework="trl", rollout_engine="vllm", trainer_dtype="fp32",
+                     rollout_dtype="bf16", rank=r) for r in (0, 1)]
+    for step in range(steps):
+        for rank, rec in enumerate(recs):
+            rng = np.random.default_rng(step * 2 + rank)
+            lmu = -rng.exponential(1.0, (B, T)) * (rng.random((B, T)) < 0.5)  # half the tokens near mu = 1
+            lpi = lmu + rng.normal(0.0, 0.03, (B, T))
+            rewards = (rng.random(B) < 0.4).astype(float)
+            rec.log_step(step, rng.integers(0, 49152, (B, T)), np.ones((B, T), bool), lmu, lpi,
+                         advantages=rewards - rewards.mean(), rewards=rewards)
+        if step % 50 == 0 or step == steps - 1:
+            done = (step + 1) * 2 * B * T
+            print(f"  built {done:,} tokens ({done / (time.perf_counter() - t0):,.0f} tok/s)", flush=True)
+    for rec in recs:
+        rec.close()
+
+
+def measure(store: str, what: str) -> dict:
+    from mismatch_lab.store.reader import open_store
+
+    t0 = time.perf_counter()
+    con = open_store(store)
+    if what == "analyze":
+        from mismatch_lab.analysis import run_all
+        from mismatch_lab.analysis.command import to_json
+
+        steps = {}
+        tables = run_all(con, progress=lambda name, s: steps.__setitem__(name, round(s, 1)))
+        json.dumps(to_json(tables), allow_nan=False)
+        extra = {"phases": steps}
+    else:
+        rows = con.execute(ONE_PASS).fetchall()
+        extra = {"groups": len(rows)}
+    seconds = time.perf_counter() - t0
+    con.close()
+    return {"seconds": seconds, "peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, **extra}
+
+
+def run_child(store: Path, what: str) -> dict:
+    out = subprocess.run([sys.executable, __file__, "--child", what, "--store", str(store)], check=False,
+                         capture_output=True, text=True)
+    if out.returncode != 0:
+        raise SystemExit(f"{what} failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", type=int, default=10_000_000)
+    ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--skip", nargs="*", default=[], choices=["analyze", "onepass"])
+    ap.add_argument("--child", choices=["analyze", "onepass"], help=argparse.SUPPRESS)
+    ap.add_argument("--store", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(measure(args.store, args.child)))
+        return 0
+    store = OUT / f"record-{args.tokens}"
+    if not (store / "sequences").is_dir():
+        print(f"building {store} ({args.tokens:,} tokens through the Recorder)", flush=True)
+        build(store, args.tokens)
+    from mismatch_lab.store.reader import open_store
+
+    n = open_store(store).execute("SELECT count(*) FROM tokens").fetchone()[0]
+    size = sum(p.stat().st_size for p in store.rglob("*.parquet")) / 2**30
+    print(f"store: {n:,} tokens, {size:.2f} GiB of Parquet; CPU: {cpu_model()}")
+    for i in range(args.repeat):
+        res = {}
+        for what in ("onepass", "analyze"):
+            if what in args.skip:
+                continue
+            load = os.getloadavg()[0]
+            res[what] = run_child(store, what)
+            print(f"  [{i + 1}] {what:<8} {res[what]['seconds']:7.1f} s  peak RSS {res[what]['peak_gib']:.2f} GiB  "
+                  f"(load before {load:.1f}) {res[what].get('phases', '')}", flush=True)
+        if len(res) == 2:
+            print(f"  [{i + 1}] analyze / one pass = {res['analyze']['seconds'] / res['onepass']['seconds']:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
