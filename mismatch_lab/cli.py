@@ -32,6 +32,7 @@ SUBCOMMANDS = {
     "model": ("mismatch_lab.models", "prepare the embedded default model (SmolLM2-135M-Instruct)"),
     "export": ("mismatch_lab.store.parquet", "export a DuckDB store to compact Parquet (zstd)"),
     "runs": ("mismatch_lab.store.runs_command", "list the runs of a DuckDB store, or drop one with all its rows"),
+    "import": ("mismatch_lab.importers.command", "import prime-rl / slime / JSON-lines dumps into a run store"),
 }
 
 

@@ -1,0 +1,384 @@
+"""What every importer shares: finding what was imported before, staging one import in one
+`store.shards.Transaction`, the run row, progress and the summary.
+
+An importer module (see `importers.FORMATS`) provides
+
+    FRAMEWORK                      the framework name: the scorer label is '<FRAMEWORK>:<trainer dtype>'
+    HELP                           one line for `mismatch-lab import --help`
+    PROBES (optional)              byte strings to look for while the file is hashed (Source.found)
+    add_arguments(parser)          its own options
+    discover(path, args)           -> Discovery: the source files, the default run name, notes
+    read(source, args)             -> iterator of flat.FlatBatch (UserError naming file:line on bad input)
+
+Rules kept here for all formats:
+* dedup: a source file's shards are named `import-<first 16 hex digits of the sha256 of its bytes>`
+  (`-pNNNN` for further parts of a large file); a file whose digest already names a committed
+  sequences shard of the run is skipped, so importing the same files again adds nothing;
+* all or nothing: every shard of one import is staged in one Transaction and committed at the end;
+  any error (or Ctrl-C) removes what was staged, so the store is left as it was;
+* sequence ids: `record.tables.seq_ids(step, rank, index)`, the index continuing after the highest one
+  the run already holds for that (step, rank): imports of different files into one run never collide.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import re
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from mismatch_lab.errors import UserError
+from mismatch_lab.importers.flat import BatchStats, TextLookup, batch_tables
+from mismatch_lab.record.recorder import DTYPES, scorer_label
+from mismatch_lab.record.tables import INDEX_BITS, MAX_RANKS, RANK_BITS
+from mismatch_lab.store import shards
+
+ENGINES = ("vllm", "sglang", "unknown")
+"""What `--rollout-engine` may declare (runs.engine)."""
+SHARD_TOKENS = 2_000_000
+"""Batches of one source file and step are gathered into shards of about this many tokens."""
+IMPORT_NAME = re.compile(r"^import-([0-9a-f]{16})(-p\d{4})?$")
+TOKENS_STORED = "loss-mask (response) tokens only; pos counts from the first one"
+
+
+@dataclass
+class Source:
+    """One file to import. `step`/`rank` when its place tells them (prime-rl's step_N/rank_R.jsonl)."""
+
+    path: Path
+    step: int | None = None
+    rank: int | None = None
+    n_lines: int | None = None  # set by the driver (newline count) before `read`
+    found: frozenset[bytes] = frozenset()  # which of the format's PROBES occur in the file (set by the driver)
+
+
+@dataclass
+class Discovery:
+    sources: list[Source]
+    run_name: str  # default run name, before sanitising
+    notes: list[str] = field(default_factory=list)  # printed in the summary (e.g. unstable steps skipped)
+    config: dict = field(default_factory=dict)  # format-specific facts for runs.config
+
+
+def sanitize_name(name: str) -> str:
+    """A run name usable by `shards.check_name`: other characters become '-'."""
+    s = re.sub(r"[^A-Za-z0-9._+-]+", "-", name).lstrip("-._+")[:200].rstrip("-")
+    return s or "import"
+
+
+def file_digest(path: Path, probes: tuple[bytes, ...] = ()) -> tuple[str, int, frozenset[bytes]]:
+    """One pass over the file's bytes: the sha256 hex digest, the number of lines (newline-terminated
+    or last) and which of the byte strings `probes` occur in it (a format's cheap hint, e.g. prime-rl's
+    "ce" loss channel)."""
+    h = hashlib.sha256()
+    lines, last, tail = 0, b"\n", b""
+    todo, found = set(probes), set()
+    keep = max((len(p) for p in probes), default=1) - 1
+    with open(path, "rb") as fh:
+        while chunk := fh.read(1 << 22):
+            h.update(chunk)
+            lines += int(np.count_nonzero(np.frombuffer(chunk, dtype=np.uint8) == 10))
+            last = chunk[-1:]
+            if todo:
+                window = tail + chunk
+                for p in [p for p in todo if p in window]:
+                    todo.discard(p)
+                    found.add(p)
+                tail = window[-keep:] if keep else b""
+    return h.hexdigest(), lines + (last != b"\n"), frozenset(found)
+
+
+def line_of_row(path: Path, row: int) -> int:
+    """1-based line number of the `row`-th (0-based) non-blank line of a JSON-lines file."""
+    seen, lineno = -1, 1
+    with open(path, "rb") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if line.strip():
+                seen += 1
+                if seen == row:
+                    return lineno
+    return lineno
+
+
+def count_nonblank(path: Path) -> int:
+    with open(path, "rb") as fh:
+        return sum(1 for line in fh if line.strip())
+
+
+def imported_digests(root: Path, run_id: str) -> set[str]:
+    """The 16-hex-digit source digests that name committed sequences shards of the run."""
+    out = set()
+    for p in (root / "sequences" / run_id).glob("step-*/import-*.parquet"):
+        m = IMPORT_NAME.match(p.stem)
+        if m:
+            out.add(m.group(1))
+    return out
+
+
+def next_free_index(root: Path, run_id: str, step: int, rank: int) -> int:
+    """The first sequence index of (step, rank) that the run's committed shards do not use."""
+    files = sorted(shards.shard_path(root, "sequences", run_id, step, "x").parent.glob("*.parquet"))
+    if not files:
+        return 0
+    ids = np.concatenate([pq.read_table(p, columns=["seq_id"]).column("seq_id").to_numpy() for p in files])
+    ranks = (ids >> INDEX_BITS) & (MAX_RANKS - 1)
+    mine = ids[ranks == rank] & ((1 << INDEX_BITS) - 1)
+    return int(mine.max()) + 1 if len(mine) else 0
+
+
+def _versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": platform.python_version()}
+    for pkg in ("mismatch-lab", "pyarrow", "numpy", "torch", "transformers"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            pass
+    return out
+
+
+def _existing_run(root: Path, run_id: str) -> dict | None:
+    p = root / "runs" / run_id / "rank-00000.parquet"
+    if not p.is_file():
+        return None
+    return pq.read_table(p).to_pylist()[0]
+
+
+def _check_same_run(old: dict, new: dict) -> None:
+    """An import adds to an existing run only when it declares the same things about it."""
+    old_cfg = json.loads(old.get("config") or "{}")
+    theirs = {"kind": old.get("kind"), "engine": old.get("engine"), "engine_dtype": old.get("engine_dtype"),
+              "scorer": old_cfg.get("scorer"), "format": old_cfg.get("format")}
+    ours = {"kind": new["kind"], "engine": new["engine"], "engine_dtype": new["engine_dtype"],
+            "scorer": new["config"]["scorer"], "format": new["config"]["format"]}
+    diff = [f"{k} {theirs[k]!r} (now {ours[k]!r})" for k in ours if theirs[k] != ours[k]]
+    if diff:
+        raise UserError(
+            f"run {new['run_id']!r} is already in this store with {', '.join(diff)}; pass the same "
+            "--rollout-engine/--rollout-dtype/--trainer-dtype as before, or another --run-name"
+        )
+
+
+class Progress:
+    """Progress lines on stderr, at most one a second (and the last)."""
+
+    def __init__(self, n_files: int, stream=None):
+        self.n_files, self.stream = n_files, stream or sys.stderr
+        self.t0 = self.last = time.perf_counter()
+
+    def update(self, files: int, tokens: int, final: bool = False) -> None:
+        now = time.perf_counter()
+        if not final and now - self.last < 1.0:
+            return
+        self.last = now
+        rate = tokens / max(now - self.t0, 1e-9)
+        print(f"import: {files}/{self.n_files} files, {tokens:,} tokens, {rate / 1e6:.2f} M tokens/s",
+              file=self.stream, flush=True)
+
+
+@dataclass
+class Summary:
+    run_id: str
+    store: Path
+    fmt: str
+    scorer: str
+    rollout: str
+    files_read: int = 0
+    files_skipped: int = 0  # imported before (same bytes)
+    steps: set = field(default_factory=set)
+    stats: BatchStats = field(default_factory=BatchStats)
+    shards: int = 0
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    def text(self) -> str:
+        s, n = self.stats, self.stats.tokens
+        steps = sorted(self.steps)
+        step_txt = "none" if not steps else f"{len(steps)} ({steps[0]} .. {steps[-1]})" if len(steps) > 1 else f"1 ({steps[0]})"
+        mean = f"{s.abs_diff_sum / s.finite:.6g} over {s.finite:,} finite tokens" if s.finite else "n/a (no finite token)"
+        rate = f"{n / self.seconds / 1e6:.2f} M tokens/s" if self.seconds > 0 else "-"
+        lines = [
+            f"mismatch-lab import {self.fmt}: run {self.run_id}",
+            f"  files       {self.files_read} read, {self.files_skipped} skipped (imported before: same bytes)",
+            f"  steps       {step_txt}",
+            f"  sequences   {s.sequences:,}" + (f" ({s.skipped_samples:,} samples without a loss-mask token not stored)"
+                                                if s.skipped_samples else ""),
+            f"  tokens      {n:,} response (loss-mask) tokens",
+            f"  non-finite  {s.nonfinite:,} tokens with log mu or log pi NaN/inf/missing (stored NULL, nonfinite = true)",
+            f"  mean |log pi - log mu|  {mean}",
+            f"  rollout     {self.rollout}    scorer {self.scorer}",
+            f"  time        {self.seconds:.1f} s ({rate})",
+            f"  store       {self.store}",
+        ]
+        lines += [f"  note        {x}" for x in self.notes]
+        if n == 0:
+            lines.append("  nothing new was added to the store")
+        lines += ["next:", f"  mismatch-lab analyze --db {self.store}", f"  mismatch-lab app --study {self.store}"]
+        return "\n".join(lines)
+
+
+def run_row(run_id: str, root: Path, fmt: str, framework: str, args, disc: Discovery, source: Path) -> dict:
+    scorer = scorer_label(framework, args.trainer_dtype)
+    return {
+        "run_id": run_id, "study": root.name, "kind": "import", "created_at": shards.now_utc(), "status": "complete",
+        "model": None, "weights_sha256": None, "engine": args.rollout_engine, "engine_dtype": args.rollout_dtype,
+        "device": None, "versions": _versions(),
+        "config": {"framework": framework, "format": fmt, "trainer_dtype": args.trainer_dtype, "scorer": scorer,
+                   "source": str(source), "tokens_stored": TOKENS_STORED,
+                   "tokenizer": getattr(args, "tokenizer", None), **disc.config},
+    }  # fmt: skip
+
+
+def run_import(fmt: str, module, args, out=None) -> Summary:
+    """Import `args.path` with the format module `module` into the store `args.out` (module docstring)."""
+    out = out or sys.stdout
+    t0 = time.perf_counter()
+    if args.rollout_engine not in ENGINES:
+        raise UserError(f"--rollout-engine {args.rollout_engine!r} is not one of {', '.join(ENGINES)}")
+    for flag, dt in (("--trainer-dtype", args.trainer_dtype), ("--rollout-dtype", args.rollout_dtype)):
+        if dt is not None and dt not in DTYPES:
+            raise UserError(f"{flag} {dt!r} is not one of {', '.join(DTYPES)}")
+    path = Path(args.path).expanduser()
+    if not path.exists():
+        raise UserError(f"no such file or directory: {path}")
+    disc = module.discover(path, args)
+    if not disc.sources:
+        raise UserError(f"no {fmt} files to import under {path}" + (f" ({'; '.join(disc.notes)})" if disc.notes else ""))
+    run_id = shards.check_name(args.run_name or sanitize_name(disc.run_name))
+    texts = TextLookup(_load_tokenizer(args.tokenizer)) if getattr(args, "tokenizer", None) else None
+    new_store = not Path(args.out).expanduser().exists()
+    root = shards.init_store(args.out)
+    row = run_row(run_id, root, fmt, module.FRAMEWORK, args, disc, path)
+    old = _existing_run(root, run_id)
+    if old is not None:
+        _check_same_run(old, row)
+        row["created_at"] = old["created_at"]
+
+    rollout = args.rollout_engine + (f":{args.rollout_dtype}" if args.rollout_dtype else " (dtype not given)")
+    summary = Summary(run_id=run_id, store=root, fmt=fmt, scorer=row["config"]["scorer"], rollout=rollout,
+                      notes=list(disc.notes))
+    done = imported_digests(root, run_id)
+    next_index: dict[tuple[int, int], int] = {}
+    progress = Progress(len(disc.sources))
+    stager = _Stager(shards.Transaction(root), root, run_id, summary)
+    try:
+        for i, src in enumerate(disc.sources, 1):
+            digest, src.n_lines, src.found = file_digest(src.path, getattr(module, "PROBES", ()))
+            key = digest[:16]
+            if key in done:
+                summary.files_skipped += 1
+                continue
+            done.add(key)  # the same bytes twice in one import count once
+            stager.start(key)
+            for batch in module.read(src, args):
+                if not 0 <= batch.rank < MAX_RANKS:
+                    raise UserError(f"{src.path}: rank {batch.rank} outside [0, {1 << RANK_BITS})")
+                k = (batch.step, batch.rank)
+                if k not in next_index:
+                    next_index[k] = next_free_index(root, run_id, batch.step, batch.rank)
+                try:
+                    tables, st = batch_tables(run_id, batch, next_index[k], summary.scorer, texts)
+                except ValueError as exc:  # seq_ids: step or sequence count out of range
+                    raise UserError(f"{src.path}: {exc}") from exc
+                next_index[k] += st.sequences
+                summary.stats.add(st)
+                if st.sequences:
+                    summary.steps.add(batch.step)
+                    stager.add(batch.step, tables, st.tokens)
+                progress.update(i - 1, summary.stats.tokens)
+            stager.finish()
+            summary.files_read += 1
+            progress.update(i, summary.stats.tokens)
+        if summary.shards:
+            shards.write_run_row(root, row, 0)  # before the commit: committed data always has its run row
+            stager.tx.commit()
+    except BaseException:
+        stager.tx.abort()
+        _remove_empty(stager.dirs, root)
+        if new_store:
+            _remove_new_store(root)
+        raise
+    summary.seconds = time.perf_counter() - t0
+    progress.update(len(disc.sources), summary.stats.tokens, final=True)
+    print(summary.text(), file=out, flush=True)
+    return summary
+
+
+class _Stager:
+    """Stages one source file's batches, gathered per step into shards of about SHARD_TOKENS tokens named
+    `import-<key>` (then `import-<key>-p0001`, ...), in the import's one Transaction."""
+
+    def __init__(self, tx: shards.Transaction, root: Path, run_id: str, summary: Summary):
+        self.tx, self.root, self.run_id, self.summary = tx, root, run_id, summary
+        self.dirs: set[Path] = set()  # folders the staged shards go to (removed again if left empty)
+
+    def start(self, key: str) -> None:
+        self.key = key
+        self.pending: dict[int, list[tuple[dict[str, pa.Table], int]]] = defaultdict(list)
+        self.part: dict[int, int] = defaultdict(int)
+
+    def add(self, step: int, tables: dict[str, pa.Table], tokens: int) -> None:
+        self.pending[step].append((tables, tokens))
+        if sum(n for _, n in self.pending[step]) >= SHARD_TOKENS:
+            self.flush(step)
+
+    def flush(self, step: int) -> None:
+        parts = self.pending.pop(step, [])
+        if not parts:
+            return
+        name = f"import-{self.key}" + (f"-p{self.part[step]:04d}" if self.part[step] else "")
+        for table in ("sequences", "tokens", "scores"):
+            data = pa.concat_tables([p[table] for p, _ in parts], promote_options="default")
+            self.tx.add(table, self.run_id, step, name, data)
+            self.dirs.add(shards.shard_path(self.root, table, self.run_id, step, name).parent)
+            self.summary.shards += 1
+        self.part[step] += 1
+
+    def finish(self) -> None:
+        for step in list(self.pending):
+            self.flush(step)
+
+
+def _remove_empty(dirs: set[Path], root: Path) -> None:
+    """Remove the step, run and table folders an aborted import created and left empty."""
+    todo = {a for d in dirs for a in (d, d.parent, d.parent.parent) if root in a.parents}
+    for d in sorted(todo, key=lambda p: -len(p.parts)):
+        try:
+            if d.is_dir() and not any(d.iterdir()):
+                os.rmdir(d)
+        except OSError:
+            pass
+
+
+def _remove_new_store(root: Path) -> None:
+    """Remove a store this failed import created, when it holds nothing but its marker."""
+    try:
+        if [p.name for p in root.iterdir()] == [shards.MARKER]:
+            (root / shards.MARKER).unlink()
+            root.rmdir()
+    except OSError:
+        pass
+
+
+def _load_tokenizer(path: str):
+    p = Path(path).expanduser()
+    if not p.is_dir():
+        raise UserError(f"--tokenizer {path}: not a directory; pass a folder with a Hugging Face tokenizer "
+                        "(e.g. the model's checkpoint folder)")
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(p))
+    except Exception as exc:  # transformers raises many kinds for a folder that is not a tokenizer
+        raise UserError(f"--tokenizer {path}: cannot load a tokenizer from it ({type(exc).__name__}: {exc})") from exc

@@ -1,0 +1,198 @@
+"""slime / miles train-data dumps: `--save-debug-train-data PATH_TEMPLATE`, or `--dump-details DIR`
+(which writes DIR/train_data/{rollout_id}.pt).
+
+A dump is a `torch.save` pickle (slime `slime/observability/train_data_utils.py`):
+
+    {"format_version": 2, "rollout_id": int, "rank": int, "samples": [sample, ...], "dp_shards": [...],
+     "raw_reward": [...]}   # raw_reward: a whole-batch field, present when the trainer had it
+
+one file per rollout, written by the data-parallel source rank with the samples of every DP shard,
+context-parallel fields gathered back to full length. A sample is a dict of the trainer's per-sample
+columns (the names keep their plural form): `tokens` (prompt + response ids, `total_lengths` long),
+`response_lengths`, `total_lengths`, and per response token `loss_masks`, `rollout_log_probs` (mu),
+`log_probs` (pi), `advantages`, `returns`, `entropy`, optional `rollout_topk_token_ids` /
+`rollout_topk_log_probs` ([response_length, K]), plus scalars (`rewards`, `sample_index`,
+`rollout_position`, ...). miles writes 0.0 into masked rollout log-prob slots: only loss-mask positions
+are stored, so those placeholders never reach the store.
+
+What is read -> where it goes:
+    rollout_id                                   sequences.step
+    rank                                         the rank part of seq_id
+    tokens[total - response:]                    tokens.token_id
+    loss_masks                                   the stored positions
+    rollout_log_probs / log_probs                tokens.logp_rollout / scores.logp
+    entropy                                      scores.entropy
+    advantages                                   tokens.advantage and sequences.advantage (mean)
+    raw_reward[rollout_position] (else rewards)  sequences.reward
+    total_lengths - response_lengths             sequences.prompt_len
+    rollout_topk_token_ids / _log_probs          tokens.topk_ids_rollout / topk_logps_rollout
+Dropped: returns, values, ref_log_probs, kl, dp_shards (the DP / micro-batch layout) and the rest.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from mismatch_lab.errors import UserError
+from mismatch_lab.importers.base import Discovery, Source
+from mismatch_lab.importers.flat import FlatBatch
+
+FRAMEWORK = "slime"
+HELP = "slime / miles --save-debug-train-data dumps (torch.save pickles; needs --trust-pickle)"
+FORMAT_VERSION = 2
+PER_TOKEN = ("loss_masks", "rollout_log_probs", "log_probs", "advantages", "entropy")
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--trust-pickle", action="store_true",
+                        help="load the dumps: they are Python pickles (torch.save), and loading a pickle can "
+                             "run any code it contains; pass this only for files you trust")
+
+
+def discover(path: Path, args) -> Discovery:
+    if not getattr(args, "trust_pickle", False):
+        raise UserError(
+            "slime dumps are Python pickles (torch.save) and loading a pickle can run any code it contains: "
+            f"pass --trust-pickle to load the files under {path} if you trust them"
+        )
+    if path.is_file():
+        files, folder = [path], path.parent
+    else:
+        folder = path / "train_data" if (path / "train_data").is_dir() else path
+        files = sorted(p for p in folder.iterdir() if p.is_file() and p.suffix == ".pt")
+    run_name = folder.parent.name if folder.name == "train_data" else folder.name
+    return Discovery(sources=[Source(p) for p in sorted(files, key=_natural)], run_name=run_name)
+
+
+def _natural(p: Path):
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", p.name)]
+
+
+def _array(value, dtype) -> np.ndarray:
+    """A 1-D or 2-D numpy array of a tensor (any dtype/device) or a list."""
+    if hasattr(value, "detach"):
+        value = value.detach().cpu()
+        if value.is_floating_point():
+            value = value.float()
+        value = value.numpy()
+    return np.asarray(value, dtype=dtype)
+
+
+def _scalar(value):
+    if hasattr(value, "item"):
+        return value.item()
+    return value
+
+
+def read(src: Source, args):
+    import torch  # only this importer needs torch
+
+    path = src.path
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as exc:  # a truncated or foreign file: torch/pickle raise many kinds
+        raise UserError(f"{path}: cannot be loaded with torch.load ({type(exc).__name__}: {exc})") from exc
+    if not isinstance(payload, dict) or payload.get("format_version") != FORMAT_VERSION:
+        found = payload.get("format_version") if isinstance(payload, dict) else type(payload).__name__
+        hint = ""
+        if isinstance(payload, dict) and "samples" in payload and "format_version" not in payload:
+            hint = " (this looks like a rollout dump, --save-debug-rollout-data; pass the train_data dumps)"
+        elif isinstance(payload, dict) and "rollout_data" in payload:
+            hint = " (an older per-rank train dump; this importer reads slime's format_version 2)"
+        raise UserError(f"{path}: not a slime train-data dump of format_version {FORMAT_VERSION} "
+                        f"(format_version {found!r}){hint}")
+    for key in ("rollout_id", "samples"):
+        if key not in payload:
+            raise UserError(f"{path}: field {key!r} is missing")
+    step = int(_scalar(payload["rollout_id"]))
+    rank = int(_scalar(payload.get("rank", 0)) or 0)
+    samples = payload["samples"]
+    if not isinstance(samples, (list, tuple)):
+        raise UserError(f"{path}: field 'samples' is not a list")
+    if not samples:
+        return
+    raw = payload.get("raw_reward")
+    positions = [s.get("rollout_position") if isinstance(s, dict) else None for s in samples]
+    use_raw = (isinstance(raw, (list, tuple)) and len(raw) == len(samples)
+               and sorted(p for p in positions if p is not None) == list(range(len(samples))))
+    yield _batch(path, samples, step, rank, raw if use_raw else None)
+
+
+def _batch(path: Path, samples, step: int, rank: int, raw_reward) -> FlatBatch:
+    cols: dict[str, list] = {k: [] for k in ("tokens", *PER_TOKEN)}
+    rewards, prompt_lens, topk_ids, topk_lps = [], [], [], []
+    has = {k: None for k in ("advantages", "entropy", "topk")}
+    for i, s in enumerate(samples):
+        where = f"{path}: sample {i}"
+        if not isinstance(s, dict):
+            raise UserError(f"{where} is not a dict")
+        for key in ("tokens", "response_lengths", "loss_masks", "rollout_log_probs", "log_probs"):
+            if s.get(key) is None:
+                extra = " (the trainer's log-probs; a run with --use-rollout-logprobs has none)" if key == "log_probs" else ""
+                raise UserError(f"{where}: field {key!r} is missing{extra}")
+        R = int(_scalar(s["response_lengths"]))
+        tokens = _array(s["tokens"], np.int64).reshape(-1)
+        T = int(_scalar(s["total_lengths"])) if s.get("total_lengths") is not None else len(tokens)
+        if len(tokens) != T:
+            raise UserError(f"{where}: field 'tokens' has {len(tokens)} ids, total_lengths says {T} (misaligned)")
+        if not 0 <= R <= T:
+            raise UserError(f"{where}: response_lengths {R} outside [0, total_lengths {T}]")
+        cols["tokens"].append(tokens[T - R:])
+        for key in PER_TOKEN:
+            v = s.get(key)
+            if key in has:
+                if has[key] is None:
+                    has[key] = v is not None
+                elif has[key] != (v is not None):
+                    raise UserError(f"{where}: field {key!r} is present in some samples and missing in others")
+            if v is None:
+                continue
+            a = _array(v, np.float64).reshape(-1)
+            if len(a) != R:
+                raise UserError(f"{where}: field {key!r} has {len(a)} values, response_lengths is {R} (misaligned)")
+            cols[key].append(a)
+        ids, lps = s.get("rollout_topk_token_ids"), s.get("rollout_topk_log_probs")
+        if (ids is None) != (lps is None):
+            raise UserError(f"{where}: rollout_topk_token_ids and rollout_topk_log_probs go together")
+        if has["topk"] is None:
+            has["topk"] = ids is not None
+        elif has["topk"] != (ids is not None):
+            raise UserError(f"{where}: rollout top-K is present in some samples and missing in others")
+        if ids is not None:
+            ids, lps = _array(ids, np.int64), _array(lps, np.float64)
+            if ids.ndim != 2 or ids.shape != lps.shape or ids.shape[0] != R:
+                raise UserError(f"{where}: rollout_topk_token_ids / rollout_topk_log_probs have shapes "
+                                f"{ids.shape} / {lps.shape}, expected [{R}, K] both")
+            topk_ids.append(ids)
+            topk_lps.append(lps)
+        if raw_reward is not None:
+            rewards.append(_scalar(raw_reward[int(_scalar(s["rollout_position"]))]))
+        else:
+            rewards.append(_scalar(s.get("rewards")))
+        prompt_lens.append(T - R)
+    lens = np.array([len(t) for t in cols["tokens"]], dtype=np.int64)
+    cat = {k: (np.concatenate(v) if v else np.zeros(0)) for k, v in cols.items()}
+    return FlatBatch(
+        step=step, rank=rank, offsets=np.concatenate([[0], np.cumsum(lens)]).astype(np.int64),
+        token_ids=cat["tokens"].astype(np.int64), mask=cat["loss_masks"] != 0,
+        logp_rollout=cat["rollout_log_probs"], logp_trainer=cat["log_probs"],
+        advantage=cat["advantages"] if has["advantages"] else None, entropy=cat["entropy"] if has["entropy"] else None,
+        reward=np.array([np.nan if r is None else float(r) for r in rewards], dtype=np.float64),
+        prompt_len=np.array(prompt_lens, dtype=np.int64),
+        topk_ids=_lists(topk_ids, pa.int64()) if has["topk"] else None,
+        topk_logps=_lists(topk_lps, pa.float64()) if has["topk"] else None,
+    )  # fmt: skip
+
+
+def _lists(arrays: list[np.ndarray], typ: pa.DataType) -> pa.Array:
+    """[N] list array of the rows of per-sample [R, K] arrays (K may differ between samples)."""
+    rows = sum(a.shape[0] for a in arrays)
+    sizes = np.concatenate([np.full(a.shape[0], a.shape[1], dtype=np.int64) for a in arrays]) if arrays else np.zeros(0, np.int64)
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32)
+    values = np.concatenate([a.reshape(-1) for a in arrays]) if arrays else np.zeros(0)
+    assert len(offsets) == rows + 1
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, type=typ))

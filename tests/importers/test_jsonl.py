@@ -1,0 +1,160 @@
+"""`mismatch-lab import jsonl`: mismatch-lab's own one-sequence-a-line format."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from import_fixtures import (
+    counts,
+    jsonl_lines,
+    naive_jsonl,
+    same,
+    store_files,
+    stored,
+    write_jsonl,
+)
+
+
+def _topk(store, run_id):
+    from mismatch_lab.store.reader import open_store
+
+    rows = open_store(store).execute("SELECT seq_id, pos, topk_ids_rollout, topk_logps_rollout FROM tokens "
+                                     "WHERE run_id = ?", [run_id]).fetchall()
+    return {(r[0], r[1]): (r[2], r[3]) for r in rows}
+
+
+def _check(store, run_id, want):
+    got = stored(store, run_id)
+    assert got.keys() == want.keys()
+    topk = _topk(store, run_id)
+    for key, w in want.items():
+        seq, toks = got[key]["seq"], got[key]["tokens"]
+        assert seq["step"] == key[0] and seq["response_len"] == len(toks) == len(w["pos"])
+        assert seq["prompt_id"] == w["prompt_id"] and same(seq["reward"], w["reward"])
+        assert (seq["advantage"] is None) == (w["adv_seq"] is None)
+        if w["adv_seq"] is not None:
+            assert math.isclose(seq["advantage"], w["adv_seq"], abs_tol=1e-12)
+        assert seq["prompt_len"] is None
+        for i, t in enumerate(toks):
+            assert (t["pos"], t["token_id"]) == (w["pos"][i], w["token_id"][i])
+            assert same(t["logp_rollout"], w["mu"][i]) and same(t["logp"], w["pi"][i])
+            assert t["nonfinite"] == (w["mu"][i] is None or w["pi"][i] is None)
+            if w["adv_tok"] is not None:
+                assert same(t["advantage"], w["adv_tok"][i])
+            else:
+                assert t.get("advantage") is None
+            if w["entropy"] is not None:
+                assert same(t["entropy"], w["entropy"][i])
+            ids, lps = topk[(seq["seq_id"], t["pos"])]
+            if w["topk"] is None:
+                assert ids is None
+            else:
+                assert ids == w["topk"][i][0] and lps == pytest.approx(w["topk"][i][1])
+
+
+@pytest.mark.parametrize("adv_form", ["list", "number"])
+def test_every_token_lands_on_its_seq_and_pos(cli, tmp_path, adv_form):
+    recs = jsonl_lines(1, n=9, adv_form=adv_form)
+    f = write_jsonl(tmp_path / "my run.jsonl", recs)
+    store = tmp_path / "store"
+    code, out, err = cli("import", "jsonl", f, "--out", store, "--trainer-dtype", "fp16")
+    assert code == 0, err
+    _check(store, "my-run", naive_jsonl(recs))  # run name from the file name, sanitised
+    assert "scorer jsonl:fp16" in out
+    n_tokens = sum(sum(r.get("mask") or [True] * len(r["token_ids"])) for r in recs)
+    assert counts(store)["tokens"] == n_tokens and f"{n_tokens} response" in out
+
+
+def test_mixed_forms_take_the_line_by_line_path(cli, tmp_path):
+    recs = jsonl_lines(2, n=6)
+    recs[1]["advantage"] = 0.5  # a number among lists
+    recs[2]["prompt_id"] = 17  # an integer prompt id
+    recs[3]["mask"] = [0, 1] + [1] * (len(recs[3]["token_ids"]) - 2)  # 0/1 mask
+    f = write_jsonl(tmp_path / "mixed.jsonl", recs)
+    store = tmp_path / "store"
+    assert cli("import", "jsonl", f, "--out", store)[0] == 0
+    _check(store, "mixed", naive_jsonl(recs))
+
+
+def test_minimal_lines_and_defaults(cli, tmp_path):
+    recs = [{"step": 5, "token_ids": [1, 2, 3], "logp_rollout": [-0.1, -0.2, -0.3], "logp_trainer": [-0.1, -0.25, -0.3]},
+            {"step": 5, "token_ids": [4], "logp_rollout": [-1.0], "logp_trainer": [-1.5], "extra": {"ignored": 1}}]
+    store = tmp_path / "store"
+    assert cli("import", "jsonl", write_jsonl(tmp_path / "m.jsonl", recs), "--out", store)[0] == 0
+    _check(store, "m", naive_jsonl(recs))
+
+
+def test_nonfinite_values(cli, tmp_path):
+    f = tmp_path / "nf.jsonl"
+    f.write_text('{"step": 0, "token_ids": [1, 2, 3, 4], "logp_rollout": [NaN, -0.5, null, -1.0], '
+                 '"logp_trainer": [-0.1, Infinity, -0.2, -1.25]}\n')
+    store = tmp_path / "store"
+    code, out, _ = cli("import", "jsonl", f, "--out", store)
+    assert code == 0 and "non-finite  3 tokens" in out and "0.25 over 1 finite tokens" in out
+    toks = stored(store, "nf")[(0, 0, 0)]["tokens"]
+    assert [t["logp_rollout"] for t in toks] == [None, -0.5, None, -1.0]
+    assert [t["logp"] for t in toks] == [-0.1, None, -0.2, -1.25]
+    assert [t["nonfinite"] for t in toks] == [True, True, True, False]
+
+
+def test_two_files_into_one_run_do_not_collide(cli, tmp_path):
+    a = jsonl_lines(3, n=4)
+    b = jsonl_lines(4, n=4)
+    store = tmp_path / "store"
+    assert cli("import", "jsonl", write_jsonl(tmp_path / "a.jsonl", a), "--out", store, "--run-name", "r")[0] == 0
+    assert cli("import", "jsonl", write_jsonl(tmp_path / "b.jsonl", b), "--out", store, "--run-name", "r")[0] == 0
+    from mismatch_lab.store.reader import open_store
+
+    con = open_store(store)
+    n, distinct = con.execute("SELECT count(*), count(DISTINCT seq_id) FROM sequences").fetchone()
+    assert n == distinct == 8
+    first = naive_jsonl(a)
+    nxt = {}
+    for s, r, i in first:
+        nxt[(s, r)] = max(nxt.get((s, r), 0), i + 1)
+    _check(store, "r", first | naive_jsonl(b, start=nxt))
+    before = counts(store)  # a folder of both files: nothing new
+    (tmp_path / "both").mkdir()
+    for x in ("a", "b"):
+        (tmp_path / "both" / f"{x}.jsonl").write_bytes((tmp_path / f"{x}.jsonl").read_bytes())
+    code, out, _ = cli("import", "jsonl", tmp_path / "both", "--out", store, "--run-name", "r")
+    assert code == 0 and "0 read, 2 skipped" in out and counts(store) == before
+
+
+@pytest.mark.parametrize(("line", "needle"), [
+    ('{"step": 0, "token_ids": [1, 2], "logp_rollout": [-1, -2], "logp_trainer": [-1]}', "'logp_trainer' has a different length"),
+    ('{"step": 0, "token_ids": [1, 2], "logp_rollout": [-1, -2]}', "'logp_trainer' is missing"),
+    ('{"step": 0, "token_ids": [1, 2], "logp_rollout": [-1, -2], "logp_trainer": [-1, -2], "mask": [true]}', "'mask' has a different length"),
+    ('{"step": -1, "token_ids": [1], "logp_rollout": [-1], "logp_trainer": [-1]}', "'step'"),
+    ('{"token_ids": [1], "logp_rollout": [-1], "logp_trainer": [-1]}', "'step' is missing"),
+    ('{"step": 0, "token_ids": [1], "logp_rollout": [-1], "logp_trainer": [-1], "rollout_topk_ids": [[1]]}', "go together"),
+    ('{"step": 0, "token_ids": [1], "logp_rollout": [-1], "logp_trainer": [-1], "rollout_topk_ids": [[1, 2]], "rollout_topk_logps": [[-1]]}',
+     "different shapes"),
+    ('{"step": 0, "token_ids": [1], "logp_rollout": [-1], "logp_trainer": [-1], "rank": 5000}', "'rank'"),
+    ('{"step": 0, "token_ids": [1, 2], "logp_rollout": [-1, -2], "logp_trainer": [-1, -2]', "not valid JSON"),
+    ('[1, 2, 3]', "not a JSON object"),
+])
+def test_bad_line_names_file_line_and_commits_nothing(cli, tmp_path, line, needle):
+    good = json.dumps({"step": 0, "token_ids": [1], "logp_rollout": [-1.0], "logp_trainer": [-1.0]})
+    f = tmp_path / "bad.jsonl"
+    f.write_text(good + "\n\n" + good + "\n" + line + "\n" + good + "\n")  # the bad one is line 4
+    store = tmp_path / "store"
+    code, _, err = cli("import", "jsonl", f, "--out", store)
+    assert code == 2 and f"{f}:4:" in err and needle in err, err
+    assert store_files(store) == []
+
+
+def test_lines_longer_than_a_read_block(cli, tmp_path, monkeypatch):
+    from mismatch_lab.importers import jsonlines
+
+    monkeypatch.setattr(jsonlines, "BLOCK_SIZE", 1024)
+    recs = jsonl_lines(6, n=5)
+    recs[2]["token_ids"] = recs[2]["token_ids"] * 200  # a line of tens of kB
+    for k in ("logp_rollout", "logp_trainer", "entropy", "advantage", "rollout_topk_ids", "rollout_topk_logps"):
+        if isinstance(recs[2].get(k), list):
+            recs[2][k] = recs[2][k] * 200
+    store = tmp_path / "store"
+    assert cli("import", "jsonl", write_jsonl(tmp_path / "long.jsonl", recs), "--out", store)[0] == 0
+    _check(store, "long", naive_jsonl(recs))
