@@ -52,10 +52,11 @@ class StepArrays:
     logp_trainer: np.ndarray  # [B, T] float
     advantages: np.ndarray | None = None  # [B] per sequence, or [B, T] per token
     rewards: np.ndarray | None = None  # [B]
-    rollout_topk_ids: np.ndarray | None = None  # [B, T, K]
+    rollout_topk_ids: np.ndarray | None = None  # [B, T, K]; ragged lists padded with id -1
     rollout_topk_logps: np.ndarray | None = None  # [B, T, K]
     entropy: np.ndarray | None = None  # [B, T] the trainer's entropy, nats
     group_ids: np.ndarray | None = None  # [B] prompt group of each sequence (GRPO groups)
+    sequence_columns: dict | None = None  # further sequences columns, name -> [B] values
 
     def check(self) -> None:
         """Shapes agree; a ValueError names the field that does not."""
@@ -76,10 +77,15 @@ class StepArrays:
             a, b = np.shape(self.rollout_topk_ids), np.shape(self.rollout_topk_logps)
             if len(a) != 3 or a[:2] != (B, T) or a != b:
                 raise ValueError(f"rollout_topk_ids / rollout_topk_logps have shapes {a} / {b}, expected [B, T, K]")
+        for name, values in (self.sequence_columns or {}).items():
+            if len(values) != B:
+                raise ValueError(f"sequence column {name} has {len(values)} values, expected {B}")
 
     def first_rows(self, n: int) -> StepArrays:
         """The first n sequences (max_sequences_per_step)."""
-        return StepArrays(**{k: (None if v is None else v[:n]) for k, v in vars(self).items()})
+        cut = {k: (None if v is None else v[:n]) for k, v in vars(self).items() if k != "sequence_columns"}
+        extra = {k: list(v)[:n] for k, v in (self.sequence_columns or {}).items()} or None
+        return StepArrays(**cut, sequence_columns=extra)
 
 
 def _floats(values: np.ndarray) -> tuple[pa.Array, np.ndarray]:
@@ -98,15 +104,15 @@ def _repeat(value, n: int, typ: pa.DataType) -> pa.Array:
     return pa.array(np.full(n, value), type=typ)
 
 
-def _lists(values: np.ndarray, typ: pa.DataType) -> pa.Array:
-    """[n, K] -> a list array of n lists of K (NULL elements where a float is not finite)."""
-    n, k = values.shape
-    flat = values.reshape(-1)
+def _lists(values: np.ndarray, keep: np.ndarray, typ: pa.DataType) -> pa.Array:
+    """[n, K] values -> a list array of n lists holding the entries where `keep` [n, K] is true, in order
+    (ragged top-K: padding entries are dropped); NULL elements where a float is not finite."""
+    flat = values[keep]
     if pa.types.is_floating(typ.value_type):
         inner, _ = _floats(flat)
     else:
         inner = pa.array(flat.astype(np.int32), type=typ.value_type)
-    offsets = pa.array(np.arange(0, n * k + 1, k, dtype=np.int32))
+    offsets = pa.array(np.concatenate([[0], np.cumsum(keep.sum(axis=1))]).astype(np.int32))
     return pa.ListArray.from_arrays(offsets, inner, type=typ)
 
 
@@ -135,8 +141,11 @@ def step_tables(run_id: str, step: int, ids: np.ndarray, a: StepArrays, scorer: 
         tok["token_text"], tok["category"] = pa.array(text, type=pa.string()), pa.array(cat, type=pa.string())
     tok["logp_rollout"] = lmu
     if a.rollout_topk_ids is not None:
-        tok["topk_ids_rollout"] = _lists(np.asarray(a.rollout_topk_ids)[b, t], TOKEN_TYPES["topk_ids_rollout"])
-        tok["topk_logps_rollout"] = _lists(np.asarray(a.rollout_topk_logps)[b, t], TOKEN_TYPES["topk_logps_rollout"])
+        k_ids = np.asarray(a.rollout_topk_ids)[b, t]
+        keep = k_ids >= 0  # ragged top-K lists come padded with id -1
+        tok["topk_ids_rollout"] = _lists(k_ids, keep, TOKEN_TYPES["topk_ids_rollout"])
+        tok["topk_logps_rollout"] = _lists(np.asarray(a.rollout_topk_logps)[b, t], keep,
+                                           TOKEN_TYPES["topk_logps_rollout"])
     adv = None if a.advantages is None else np.asarray(a.advantages, dtype=np.float64)
     if adv is not None and adv.ndim == 2:
         tok["advantage"], _ = _floats(adv[b, t])  # extra column: the per-token advantage as trained on
@@ -154,6 +163,8 @@ def step_tables(run_id: str, step: int, ids: np.ndarray, a: StepArrays, scorer: 
         "step": _repeat(int(step), B, pa.int32()),
         "response_len": pa.array(lens),
     }
+    for name, values in (a.sequence_columns or {}).items():
+        seq[name] = pa.array(list(values), type=SEQUENCE_TYPES.get(name))
     if a.rewards is not None:
         seq["reward"], _ = _floats(np.asarray(a.rewards))
     if adv is not None:

@@ -15,7 +15,8 @@ One step (`step` = 1 … `steps`):
     6. rescore    no-grad forward on the same tokens: `bad_update_metrics` against μ (the paper's definition)
     7. sync       `engine.load_state_dict(model.state_dict())` (reload_weights + reset_prefix_cache, with
                   lm_head.weight) so the next rollout samples from the updated policy
-    8. write      the step's sequences / tokens / scores (scorer 'hf:<trainer dtype>', π *before* the
+    8. write      the step's sequences / tokens / scores, built by the Recorder's row builder
+                  (record.tables.step_tables; scorer 'hf:<trainer dtype>', π *before* the
                   update, i.e. what the loss saw) and its `train_metrics` rows in ONE `write_chunk` call with
                   chunk = step: a step is in the store entirely or not at all.
 
@@ -204,6 +205,34 @@ def response_logps(model, prompt_ids, response_ids, topk_ids=None, *, trainer_dt
     return logp, entropy, tk, valid
 
 
+def step_arrays(samples, seq_rows, logp_mu, logp_before, entropy, mask, adv, rewards):
+    """One step's rollout and scores as record.tables.StepArrays ([n, T] numpy; ragged top-K lists padded
+    with id -1), with the sequences' prompt, sample, text and finish reason."""
+    import numpy as np
+
+    from mismatch_lab.record.tables import StepArrays
+
+    n, T = mask.shape
+    ids = np.zeros((n, T), dtype=np.int64)
+    for i, smp in enumerate(samples):
+        ids[i, : len(smp.token_ids)] = smp.token_ids
+    tk_ids = tk_lps = None
+    if all(smp.topk_ids for smp in samples):
+        K = max((len(row) for smp in samples for row in smp.topk_ids), default=0)
+        tk_ids, tk_lps = np.full((n, T, K), -1, dtype=np.int64), np.full((n, T, K), np.nan)
+        for i, smp in enumerate(samples):
+            for p, (row_ids, row_lps) in enumerate(zip(smp.topk_ids, smp.topk_logps)):
+                tk_ids[i, p, : len(row_ids)] = row_ids
+                tk_lps[i, p, : len(row_lps)] = [np.nan if x is None else x for x in row_lps]
+    extra = {"prompt_id": [r["prompt_id"] for r in seq_rows], "sample_idx": [r["sample_idx"] for r in seq_rows],
+             "response_text": [smp.text for smp in samples], "finish_reason": [smp.finish_reason for smp in samples],
+             "prompt_len": [r["prompt_len"] for r in seq_rows]}  # fmt: skip
+    return StepArrays(token_ids=ids, mask=mask.numpy(), logp_rollout=logp_mu.numpy(),
+                      logp_trainer=logp_before.float().numpy(), advantages=adv.float().numpy(),
+                      rewards=np.asarray(rewards, dtype=np.float64), rollout_topk_ids=tk_ids, rollout_topk_logps=tk_lps,
+                      entropy=entropy.float().numpy(), sequence_columns=extra)
+
+
 def _combine(per_mb: list[dict]) -> dict[str, float]:
     """Mini-batch metrics into one row: /max -> max, /min -> min, /count -> sum, anything else -> mean."""
     out = {}
@@ -269,6 +298,7 @@ def train(cfg: TrainConfig, *, progress: bool = True, log=None) -> str:
     """
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # vLLM's environment is set by _import_vllm
     cfg.validate()
+    import numpy as np
     import torch
     import transformers
     from transformers import AutoModelForCausalLM
@@ -277,16 +307,15 @@ def train(cfg: TrainConfig, *, progress: bool = True, log=None) -> str:
         TokenTexts,
         _device_name,
         _load_tokenizer,
-        build_tables,
         encode_prompts,
         sample_seed,
     )
     from mismatch_lab.engines.base import TORCH_DTYPES, GenRequest, make_engine
     from mismatch_lab.models import resolve_model, weights_sha256
+    from mismatch_lab.record.tables import step_tables
     from mismatch_lab.rl.advantages import group_advantages
     from mismatch_lab.rl.losses import TopK, bad_update_metrics, policy_loss
     from mismatch_lab.rl.tasks import TASKS
-    from mismatch_lab.scoring import SeqScores
     from mismatch_lab.store.writer import StoreWriter
 
     transformers.utils.logging.disable_progress_bar()
@@ -447,17 +476,14 @@ def train(cfg: TrainConfig, *, progress: bool = True, log=None) -> str:
             })
             metrics.update(bad)
             metrics.update({k.replace("bad_update/", "bad_update_vs_pi/"): v for k, v in bad_pi.items()})
-            scores = []
-            for i in range(n):
-                L = len(resp[i])
-                lps = [float(x) for x in logp_before[i, :L].tolist()]
-                scores.append(SeqScores(
-                    logp=[x if math.isfinite(x) else None for x in lps],
-                    entropy=[float(x) for x in entropy[i, :L].tolist()],
-                    nonfinite=[not math.isfinite(x) for x in lps]))
             times["time/step/seconds"] = time.perf_counter() - t_step
             metrics.update(times)
-            seqs, toks, scs = build_tables(run_id, seq_rows, samples, {scorer_name: scores}, texts, step=step)
+            # the step's rows come from the Recorder's row builder (one way to turn a step into rows); the
+            # loop writes them into its DuckDB store in one transaction with the metrics (resume unit = step)
+            tables = step_tables(run_id, step, np.array([r["seq_id"] for r in seq_rows], dtype=np.int64),
+                                 step_arrays(samples, seq_rows, logp_mu, logp_before, entropy, mask, adv, rewards),
+                                 scorer_name, texts=texts.many)
+            seqs, toks, scs = tables["sequences"], tables["tokens"], tables["scores"]
             writer.write_chunk(run_id, step, sequences=seqs, tokens=toks, scores=scs,
                                seconds=time.perf_counter() - t_step,
                                metrics=[(step, k, float(v)) for k, v in sorted(metrics.items())])
