@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Self
 
 import duckdb
+import numpy as np
 import pandas as pd
 
 from mismatch_lab.analysis import definitions as d
@@ -97,6 +98,11 @@ def rollup(grid: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
     return grid.groupby(keys, dropna=False, sort=False).agg(agg).reset_index()
 
 
+QUANTILE_BYTES_TOGETHER = 600 * 2**20
+"""Exact quantiles keep every value of a group until it is done (8 bytes each): below this many bytes for
+all of them the quantile aggregates share one pass, above it they run one per pass (bounded memory)."""
+
+
 class Rows:
     """Both row sets of one filter set and the cached passes over them (module docstring)."""
 
@@ -113,6 +119,7 @@ class Rows:
         self.ok = has_tables(con, "tokens", "scores", "runs")
         self._cache: dict = {}
         self._tables: list[str] = []
+        self._const: set[str] = set()  # rollout-side columns that are NULL constants (materialised row set)
         if not self.ok:
             return
         tcols, scols = table_columns(con, "tokens"), table_columns(con, "scores")
@@ -132,6 +139,7 @@ class Rows:
                      if src not in scols}
             if not rollout_topk:
                 const["topk"] = "STRUCT(tv DOUBLE, kl DOUBLE)"
+            self._const = set(const)
             self.sql["rollout"] = (with_metrics(self._materialize("rollout", sql, params, const), STORED_METRICS), {})
         else:
             self.sql["rollout"] = (with_metrics(sql), params)
@@ -252,24 +260,49 @@ class Rows:
 
     def quantiles(self, scale: str, n_buckets: int) -> pd.DataFrame:
         """Per (rollout, scorer, mu bucket of `scale`): quantiles of r (definitions.RATIO_QUANTILES) and the
-        99th percentiles of binary TV, top-K TV and the stored exact TV, over finite rows."""
+        99th percentiles of binary TV, top-K TV and the stored exact TV, over finite rows. One exact
+        quantile aggregate holds every value of its column in memory until its groups are done: on large row
+        sets they run one per pass, which bounds the peak (10^8 tokens: ~0.8 GB, not ~3.2 GB); on small
+        ones they share a pass (QUANTILE_BYTES_TOGETHER)."""
 
         def run():
             rel, params = self.sql["rollout"]
             names = [f"r_p{round(q * 100):02d}" for q in d.RATIO_QUANTILES]
-            q_cols = ", ".join(f"r_q[{i + 1}] AS {name}" for i, name in enumerate(names))
             ok = "finite AND isfinite(tv_exact)"
-            sql = f"""
-                SELECT * EXCLUDE (r_q), {q_cols} FROM (
-                SELECT rollout, scorer, coalesce({d.bucket_sql(scale, n_buckets)}, -1) AS bucket,
-                    quantile_cont(r, {list(d.RATIO_QUANTILES)}) AS r_q,
-                    quantile_cont(btv, 0.99) AS binary_tv_p99,
-                    quantile_cont(topk_tv, 0.99) AS topk_tv_p99,
-                    quantile_cont(tv_exact, 0.99) FILTER (WHERE {ok}) AS tv_exact_vs_ref_p99
-                FROM ({rel}) GROUP BY ALL)"""
-            return query(self.con, sql, params)
+            aggregates = {
+                "r_q": f"quantile_cont(r, {list(d.RATIO_QUANTILES)})",
+                "binary_tv_p99": "quantile_cont(btv, 0.99)",
+                "topk_tv_p99": "quantile_cont(topk_tv, 0.99)",
+                "tv_exact_vs_ref_p99": f"quantile_cont(tv_exact, 0.99) FILTER (WHERE {ok})",
+            }
+            constant = {"topk_tv_p99": "topk", "tv_exact_vs_ref_p99": "tv_exact"}  # NULL where not stored
+            keys = ["rollout", "scorer", "bucket"]
+            bucket = f"coalesce({d.bucket_sql(scale, n_buckets)}, -1) AS bucket"
+            live = {n: a for n, a in aggregates.items() if constant.get(n) not in self._const}
+            # together in one pass while their values fit well inside the reader's memory, else one by one
+            together = self._row_count() * 8 * len(live) <= QUANTILE_BYTES_TOGETHER
+            batches = [live] if together else [{n: a} for n, a in live.items()]
+            out = None
+            for batch in batches:
+                aggs = ", ".join(f"{a} AS {n}" for n, a in batch.items())
+                part = query(self.con, f"SELECT rollout, scorer, {bucket}, {aggs} FROM ({rel}) GROUP BY ALL", params)
+                out = part if out is None else out.merge(part, on=keys, how="outer")
+            for name in aggregates.keys() - live.keys():
+                out[name] = np.nan
+            qs = out.pop("r_q")
+            for i, col_name in enumerate(names):
+                out[col_name] = np.array([np.nan if not isinstance(v, (list, np.ndarray)) or v[i] is None else v[i]
+                                          for v in qs], dtype=np.float64)
+            return out[[*keys, *names, "binary_tv_p99", "topk_tv_p99", "tv_exact_vs_ref_p99"]]
 
         return self._run(("quantiles", scale, n_buckets), run)
+
+    def _row_count(self) -> int:
+        """Rows of the rollout row set (cached; cheap on a materialised one)."""
+        if "row_count" not in self._cache:
+            rel, params = self.sql["rollout"]
+            self._cache["row_count"] = int(self.con.execute(f"SELECT count(*) FROM ({rel})", _used(rel, params)).fetchone()[0])
+        return self._cache["row_count"]
 
     def sequences(self, side: str) -> pd.DataFrame:
         """One row per (pair, sequence): response_len (rows of the sequence in this pair), n_nonfinite,
