@@ -84,3 +84,15 @@ def signalled_cli():
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
 
     return start
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _join_app_warm_up_threads():
+    """The app warms its caches in daemon threads; one still inside a DuckDB query when the interpreter
+    exits aborts the process (exit 134). Join them before the session ends."""
+    import threading
+
+    yield
+    for thread in threading.enumerate():
+        if thread.name.startswith("mismatch-lab warm-up"):
+            thread.join(timeout=120)
