@@ -10,6 +10,10 @@ skipped_prompts) in one transaction: either all of them go or none. Use it for a
 and will not be resumed, or one superseded by a complete re-run, before `mismatch-lab export`.
 A run still being written ('running' in a store another process holds) cannot be dropped: the writer
 holds the file's lock, and the command says so.
+
+A shard store (recorded and imported runs) is listed the same way; dropping a run there removes its
+folders (`shards.drop_run`): its sequences shards first, the commit points, so a reader never sees half
+a run. Stop the run's writers first: a Recorder still writing would add shards again.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ def list_runs(con) -> list[dict]:
     """One dict per run, oldest first: run_id, kind, rollout, status, chunks, sequences, tokens, scorers."""
     rows = con.execute(
         """
-        SELECT r.run_id, r.kind, r.engine || ':' || r.engine_dtype AS rollout, r.status,
+        SELECT r.run_id, r.kind, r.engine || coalesce(':' || r.engine_dtype, '') AS rollout, r.status,
                (SELECT count(*) FROM chunks_done c WHERE c.run_id = r.run_id) AS chunks,
                (SELECT count(*) FROM sequences q WHERE q.run_id = r.run_id) AS sequences,
                (SELECT count(*) FROM tokens t WHERE t.run_id = r.run_id) AS tokens,
@@ -62,8 +66,8 @@ def drop_run(con, run_id: str) -> dict[str, int]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--db", required=True, help="the study's .duckdb file (Parquet results are read-only: "
-                        "drop the run in the .duckdb and export again)")
+    parser.add_argument("--db", required=True, help="the study's .duckdb file or a recorded/imported shard store "
+                        "(Parquet results are read-only: drop the run in the .duckdb and export again)")
     parser.add_argument("--drop", metavar="RUN_ID", action="append", default=[],
                         help="delete this run and all its rows (repeatable)")
 
@@ -78,8 +82,30 @@ def _print_runs(runs: list[dict]) -> None:
               f"{r['chunks']:>6} {r['sequences']:>7} {r['tokens']:>9}  {r['scorers'] or '-'}")
 
 
+def _run_shards(path: Path, drops: list[str]) -> int:
+    from mismatch_lab.store import shards
+    from mismatch_lab.store.reader import open_store
+
+    for run_id in drops:
+        present = shards.run_ids(path)
+        if run_id not in present:
+            raise UserError(f"no run {run_id!r} in this store; its runs are: {', '.join(present) or '(none)'}")
+        files = shards.drop_run(path, run_id)
+        print(f"dropped {run_id}: {files} files")
+    con = open_store(path)
+    try:
+        _print_runs(list_runs(con))
+    finally:
+        con.close()
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     path = Path(args.db).expanduser()
+    from mismatch_lab.store.shards import is_shard_store
+
+    if is_shard_store(path):
+        return _run_shards(path, args.drop)
     if path.is_dir() or path.suffix != ".duckdb":
         raise UserError(f"--db {path} is not a .duckdb file; runs are listed and dropped in the study's DuckDB "
                         "store (Parquet results are an export of it)")

@@ -107,6 +107,27 @@ def committed_files(root: str | Path) -> dict[str, list[str]]:
     return out
 
 
+def run_ids(root: str | Path) -> list[str]:
+    """The runs of a shard store (those with a runs row)."""
+    return sorted(p.name for p in (Path(root) / "runs").glob("*") if p.is_dir())
+
+
+def drop_run(root: str | Path, run_id: str) -> int:
+    """Remove every file of `run_id`, sequences first (the commit points: readers stop seeing the run's
+    units at once), runs last; returns how many files were removed."""
+    import shutil
+
+    root = Path(root)
+    check_name(run_id)
+    n = 0
+    for table in ("sequences", *(t for t in COMMIT_ORDER if t != "sequences"), "runs"):
+        folder = root / table / run_id
+        if folder.is_dir():
+            n += sum(1 for p in folder.rglob("*") if p.is_file())
+            shutil.rmtree(folder)
+    return n
+
+
 def shard_path(root: Path, table: str, run_id: str, step: int, name: str) -> Path:
     return root / table / run_id / f"step-{int(step):08d}" / f"{name}.parquet"
 

@@ -233,3 +233,20 @@ def test_a_tokenizer_fills_texts_and_categories_with_the_collect_classifier(tmp_
     texts = TokenTexts(tok)
     assert got == [texts(int(t)) for t in ids[0]]
     assert {"number", "math", "connective", "word"} <= {c for _, c in got}
+
+
+def test_runs_lists_and_drops_a_run_of_a_shard_store(tmp_path, capsys):
+    from mismatch_lab.cli import main
+
+    for name in ("keep", "gone"):
+        with Recorder(tmp_path / "s", name, framework="trl", rollout_engine="sglang") as rec:
+            ids, mask, lmu, lpi, *_ = _batch(5)
+            rec.log_step(0, ids, mask, lmu, lpi)
+    assert main(["runs", "--db", str(tmp_path / "s")]) == 0
+    listing = capsys.readouterr().out
+    assert "keep" in listing and "gone" in listing and "sglang" in listing
+    assert main(["runs", "--db", str(tmp_path / "s"), "--drop", "gone"]) == 0
+    con = open_store(tmp_path / "s")
+    assert con.execute("SELECT DISTINCT run_id FROM tokens").fetchall() == [("keep",)]
+    assert con.execute("SELECT run_id FROM runs").fetchall() == [("keep",)]
+    assert main(["runs", "--db", str(tmp_path / "s"), "--drop", "gone"]) == 2  # no such run any more
