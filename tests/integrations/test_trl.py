@@ -254,3 +254,4 @@ def test_attach_names_use_vllm_when_it_is_off(tmp_path, tiny_model, distributed_
     with pytest.raises(UserError, match=r"GRPOConfig\(use_vllm=True\)"):
         attach(trainer, tmp_path / "store")
 
+
