@@ -253,5 +253,3 @@ def test_attach_names_use_vllm_when_it_is_off(tmp_path, tiny_model, distributed_
     trainer = _trainer(tiny_model, _config(tmp_path / "out", use_vllm=False))
     with pytest.raises(UserError, match=r"GRPOConfig\(use_vllm=True\)"):
         attach(trainer, tmp_path / "store")
-
-
