@@ -96,3 +96,10 @@ def _join_app_warm_up_threads():
     for thread in threading.enumerate():
         if thread.name.startswith("mismatch-lab warm-up"):
             thread.join(timeout=120)
+
+
+def pytest_collection_modifyitems(config, items):
+    """TRL's colocated engine, when freed, tears down vLLM's process-wide parallel state, which breaks
+    every in-process engine made before it (`pipeline model parallel group is not initialized`): the TRL
+    integration tests run last."""
+    items.sort(key=lambda item: "integrations" in item.path.parts)

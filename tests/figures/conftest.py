@@ -17,6 +17,7 @@ import json
 import numpy as np
 import pandas as pd
 import pytest
+from recorded_run import RECORDED, RECORDED_DRIFT, RECORDED_STEPS
 
 from mismatch_lab.store.parquet import export
 from mismatch_lab.store.synthetic import (
@@ -42,9 +43,6 @@ SPEC = SyntheticSpec(
 CHUNK = {"chunk_prompts": 3, "samples": 4}  # gen_batch 0 = the whole chunk = 12 requests
 CHANGED_SEQUENCES = 3  # sequences of the batch-1 run that differ from the whole-chunk run
 SCORER_SHIFT = 2e-3  # hf:bf16 log pi shift of the run scored one sequence per forward
-RECORDED = "recorded-trl"
-RECORDED_STEPS = 3  # one per prompt group of the copied run (12 sequences, 4 per prompt)
-RECORDED_DRIFT = 0.3  # nats per step: well above the dtype noise and the planted ratios
 
 
 def batch_variant(frames: dict[str, pd.DataFrame]) -> dict[str, pd.DataFrame]:

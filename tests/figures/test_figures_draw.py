@@ -96,7 +96,7 @@ def test_figure_statistics_match_the_analysis(drawn, figure_study):
 def test_steps_figure_draws_the_step_series_of_the_recorded_run(drawn, figure_study):
     """Fig. 8's lines are steps.step_series (mean |dp| left, k3 right), one per (run, pair), and show the
     planted drift: log pi lowered by RECORDED_DRIFT * step, so |dlogp| and k3 grow step by step."""
-    from conftest import RECORDED, RECORDED_DRIFT, RECORDED_STEPS
+    from recorded_run import RECORDED, RECORDED_DRIFT, RECORDED_STEPS
 
     from mismatch_lab.analysis.steps import step_series
 
