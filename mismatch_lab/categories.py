@@ -58,8 +58,7 @@ def categorize(text: str, is_special: bool = False) -> str:
 
 class TokenTexts:
     """Decoded text and category of token ids through a tokenizer (cached: the vocabulary is small next
-    to a run). `texts(tid)` -> (text, category); `texts.many(ids)` does a whole array, decoding each
-    distinct id once."""
+    to a run). `texts(tid)` -> (text, category); `record.flat.TextLookup` does whole arrays."""
 
     def __init__(self, tokenizer):
         self.tok = tokenizer
@@ -71,12 +70,3 @@ class TokenTexts:
             text = self.tok.decode([tid])
             self.cache[tid] = (text, categorize(text, is_special=tid in self.special))
         return self.cache[tid]
-
-    def many(self, ids) -> tuple[list[str], list[str]]:
-        import numpy as np
-
-        uniq, inverse = np.unique(np.asarray(ids, dtype=np.int64), return_inverse=True)
-        pairs = [self(int(u)) for u in uniq]
-        texts = np.array([p[0] for p in pairs] or [""], dtype=object)
-        cats = np.array([p[1] for p in pairs] or [""], dtype=object)
-        return texts[inverse].tolist(), cats[inverse].tolist()

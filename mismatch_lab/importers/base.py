@@ -16,7 +16,7 @@ Rules kept here for all formats:
   sequences shard of the run is skipped, so importing the same files again adds nothing;
 * all or nothing: every shard of one import is staged in one Transaction and committed at the end;
   any error (or Ctrl-C) removes what was staged, so the store is left as it was;
-* sequence ids: `record.tables.seq_ids(step, rank, index)`, the index continuing after the highest one
+* sequence ids: `record.arrow.seq_ids(step, rank, index)`, the index continuing after the highest one
   the run already holds for that (step, rank): imports of different files into one run never collide.
 """
 
@@ -38,9 +38,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from mismatch_lab.errors import UserError
-from mismatch_lab.importers.flat import BatchStats, TextLookup, batch_tables
+from mismatch_lab.record.arrow import INDEX_BITS, MAX_RANKS, RANK_BITS
+from mismatch_lab.record.flat import BatchStats, TextLookup, batch_tables
 from mismatch_lab.record.recorder import DTYPES, scorer_label
-from mismatch_lab.record.tables import INDEX_BITS, MAX_RANKS, RANK_BITS
 from mismatch_lab.store import shards
 
 ENGINES = ("vllm", "sglang", "unknown")

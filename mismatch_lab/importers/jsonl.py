@@ -34,7 +34,6 @@ import pyarrow.compute as pc
 
 from mismatch_lab.errors import UserError
 from mismatch_lab.importers.base import Discovery, Source
-from mismatch_lab.importers.flat import FlatBatch
 from mismatch_lab.importers.jsonlines import (
     Problems,
     check_aligned,
@@ -46,7 +45,8 @@ from mismatch_lab.importers.jsonlines import (
     number,
     read_batches,
 )
-from mismatch_lab.record.tables import MAX_RANKS
+from mismatch_lab.record.arrow import MAX_RANKS
+from mismatch_lab.record.flat import FlatBatch
 
 FRAMEWORK = "jsonl"
 HELP = "mismatch-lab's own JSON-lines format, one sequence a line (docs/import.md)"

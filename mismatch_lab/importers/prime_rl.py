@@ -42,7 +42,6 @@ import pyarrow.compute as pc
 
 from mismatch_lab.errors import UserError
 from mismatch_lab.importers.base import Discovery, Source
-from mismatch_lab.importers.flat import FlatBatch
 from mismatch_lab.importers.jsonlines import (
     Problems,
     check_aligned,
@@ -54,6 +53,7 @@ from mismatch_lab.importers.jsonlines import (
     number,
     read_batches_duckdb,
 )
+from mismatch_lab.record.flat import FlatBatch
 
 FRAMEWORK = "prime-rl"
 HELP = "prime-rl token exports (trainer.enable_token_export): <output_dir>/token_exports/step_N/rank_R.jsonl"

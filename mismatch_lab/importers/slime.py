@@ -39,7 +39,7 @@ import pyarrow as pa
 
 from mismatch_lab.errors import UserError
 from mismatch_lab.importers.base import Discovery, Source
-from mismatch_lab.importers.flat import FlatBatch
+from mismatch_lab.record.flat import FlatBatch
 
 FRAMEWORK = "slime"
 HELP = "slime / miles --save-debug-train-data dumps (torch.save pickles; needs --trust-pickle)"

@@ -105,9 +105,9 @@ class Recorder:
         self.every, self.max_seqs = int(every), max_sequences_per_step
         self._texts = None
         if tokenizer is not None:
-            from mismatch_lab.categories import TokenTexts
+            from mismatch_lab.record.flat import TextLookup
 
-            self._texts = TokenTexts(tokenizer).many
+            self._texts = TextLookup(tokenizer)
         self._parts: dict[int, int] = defaultdict(int)  # step -> calls written by this process
         self._next_index: dict[int, int] = defaultdict(int)  # step -> next sequence index of this rank
         self.tokens_written = 0

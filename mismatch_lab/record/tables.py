@@ -1,4 +1,5 @@
-"""Contract rows of one recorded step, built from numpy arrays (no per-token Python lists).
+"""One recorded step's [B, T] arrays (`StepArrays`) and the contract rows they become (`step_tables`,
+through `record.flat`, where the row rules live); numpy in, Arrow out, no per-token Python lists.
 
 Shapes: B sequences, T positions, K top-K entries. A position is stored when its mask is true (the loss
 mask: response tokens the trainer trains on); `pos` counts from the sequence's first masked position, so
@@ -16,31 +17,18 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from mismatch_lab.store.writer import (
-    METRIC_TYPES,
-    SCORE_TYPES,
-    SEQUENCE_TYPES,
-    TOKEN_TYPES,
+from mismatch_lab.record.arrow import (
+    MAX_RANKS,
+    MAX_SEQUENCES,
+    floats,
+    lists,
+    repeat,
+    seq_ids,
 )
+from mismatch_lab.record.flat import FlatBatch, batch_tables
+from mismatch_lab.store.writer import METRIC_TYPES, SEQUENCE_TYPES, TOKEN_TYPES
 
-RANK_BITS = 12
-INDEX_BITS = 20
-MAX_RANKS = 1 << RANK_BITS
-MAX_SEQUENCES = 1 << INDEX_BITS
-"""seq_id = step << 32 | rank << 20 | index: unique within a run across ranks and steps without any
-coordination (4096 ranks, 2^20 sequences per rank and step)."""
-
-
-def seq_ids(step: int, rank: int, first_index: int, n: int) -> np.ndarray:
-    """[n] int64 sequence ids of `n` sequences of (step, rank) starting at `first_index`."""
-    if not 0 <= rank < MAX_RANKS:
-        raise ValueError(f"rank {rank} outside [0, {MAX_RANKS})")
-    if first_index + n > MAX_SEQUENCES:
-        raise ValueError(f"more than {MAX_SEQUENCES} sequences for one (step, rank)")
-    if not 0 <= step < (1 << 31):
-        raise ValueError(f"step {step} outside [0, 2^31)")
-    return (np.int64(step) << 32) | (np.int64(rank) << INDEX_BITS) | np.arange(first_index, first_index + n, dtype=np.int64)
-
+__all__ = ["MAX_RANKS", "MAX_SEQUENCES", "StepArrays", "metric_table", "seq_ids", "step_tables"]
 
 @dataclass
 class StepArrays:
@@ -88,107 +76,43 @@ class StepArrays:
         return StepArrays(**cut, sequence_columns=extra)
 
 
-def _floats(values: np.ndarray) -> tuple[pa.Array, np.ndarray]:
-    """float64 Arrow array with NULL where not finite, and the [n] non-finite flags."""
-    v = np.asarray(values, dtype=np.float64)
-    bad = ~np.isfinite(v)
-    return pa.array(v, mask=bad if bad.any() else None, type=pa.float64()), bad
-
-
-def _repeat(value, n: int, typ: pa.DataType) -> pa.Array:
-    """`value` n times, dictionary-encoded for strings (one copy of the string, not n)."""
-    if value is None:
-        return pa.nulls(n, type=typ)
-    if pa.types.is_string(typ):
-        return pa.DictionaryArray.from_arrays(pa.array(np.zeros(n, dtype=np.int32)), pa.array([value])).cast(typ)
-    return pa.array(np.full(n, value), type=typ)
-
-
-def _lists(values: np.ndarray, keep: np.ndarray, typ: pa.DataType) -> pa.Array:
-    """[n, K] values -> a list array of n lists holding the entries where `keep` [n, K] is true, in order
-    (ragged top-K: padding entries are dropped); NULL elements where a float is not finite."""
-    flat = values[keep]
-    if pa.types.is_floating(typ.value_type):
-        inner, _ = _floats(flat)
-    else:
-        inner = pa.array(flat.astype(np.int32), type=typ.value_type)
-    offsets = pa.array(np.concatenate([[0], np.cumsum(keep.sum(axis=1))]).astype(np.int32))
-    return pa.ListArray.from_arrays(offsets, inner, type=typ)
-
-
 def step_tables(run_id: str, step: int, ids: np.ndarray, a: StepArrays, scorer: str, texts=None) -> dict[str, pa.Table]:
-    """The sequences, tokens and scores rows of one step. `ids` [B] are the sequences' seq_id values;
-    `texts` (token id array -> (texts, categories) arrays) fills token_text / category when given."""
+    """The sequences, tokens and scores rows of one step: `a` laid out flat and built by
+    `flat.batch_tables` (the one definition of the row rules), every sequence kept (a fully masked one
+    with response_len 0). `ids` [B] are the sequences' seq_id values; `texts` (a `flat.TextLookup`) fills
+    token_text / category when given."""
     a.check()
-    mask = np.asarray(a.mask, dtype=bool)
-    B = mask.shape[0]
-    b, t = np.nonzero(mask)  # row-major: sequence by sequence, position order
-    n = len(b)
-    has = mask.any(axis=1)
-    first = np.where(has, mask.argmax(axis=1), 0)
-    lens = mask.sum(axis=1).astype(np.int32)
-
-    tok = {
-        "run_id": _repeat(run_id, n, pa.string()),
-        "seq_id": pa.array(ids[b], type=pa.int64()),
-        "pos": pa.array((t - first[b]).astype(np.int32)),
-        "token_id": pa.array(np.asarray(a.token_ids)[b, t].astype(np.int32)),
-    }
-    lmu, bad_mu = _floats(np.asarray(a.logp_rollout)[b, t])
-    lpi, bad_pi = _floats(np.asarray(a.logp_trainer)[b, t])
-    if texts is not None:
-        text, cat = texts(np.asarray(a.token_ids)[b, t])
-        tok["token_text"], tok["category"] = pa.array(text, type=pa.string()), pa.array(cat, type=pa.string())
-    tok["logp_rollout"] = lmu
-    if a.rollout_topk_ids is not None:
-        k_ids = np.asarray(a.rollout_topk_ids)[b, t]
-        keep = k_ids >= 0  # ragged top-K lists come padded with id -1
-        tok["topk_ids_rollout"] = _lists(k_ids, keep, TOKEN_TYPES["topk_ids_rollout"])
-        tok["topk_logps_rollout"] = _lists(np.asarray(a.rollout_topk_logps)[b, t], keep,
-                                           TOKEN_TYPES["topk_logps_rollout"])
+    B, T = np.shape(a.token_ids)
+    K = None if a.rollout_topk_ids is None else np.shape(a.rollout_topk_ids)[2]
+    flat = {name: (None if v is None else np.asarray(v).reshape(B * T)) for name, v in
+            (("token_ids", a.token_ids), ("mask", a.mask), ("logp_rollout", a.logp_rollout),
+             ("logp_trainer", a.logp_trainer), ("entropy", a.entropy))}  # fmt: skip
     adv = None if a.advantages is None else np.asarray(a.advantages, dtype=np.float64)
-    if adv is not None and adv.ndim == 2:
-        tok["advantage"], _ = _floats(adv[b, t])  # extra column: the per-token advantage as trained on
-
-    sc = {"run_id": tok["run_id"], "seq_id": tok["seq_id"], "pos": tok["pos"], "scorer": _repeat(scorer, n, pa.string()),
-          "logp": lpi}
-    if a.entropy is not None:
-        sc["entropy"], _ = _floats(np.asarray(a.entropy)[b, t])
-    sc["nonfinite"] = pa.array(bad_mu | bad_pi, type=pa.bool_())
-
-    seq = {
-        "run_id": _repeat(run_id, B, pa.string()),
-        "seq_id": pa.array(ids, type=pa.int64()),
-        "prompt_id": None if a.group_ids is None else pa.array([str(g) for g in np.asarray(a.group_ids)], pa.string()),
-        "step": _repeat(int(step), B, pa.int32()),
-        "response_len": pa.array(lens),
-    }
-    for name, values in (a.sequence_columns or {}).items():
-        seq[name] = pa.array(list(values), type=SEQUENCE_TYPES.get(name))
-    if a.rewards is not None:
-        seq["reward"], _ = _floats(np.asarray(a.rewards))
-    if adv is not None:
-        if adv.ndim == 2:  # the sequence's mean advantage over its response tokens (GRPO: the one value)
-            with np.errstate(invalid="ignore", divide="ignore"):
-                adv = np.where(lens > 0, np.where(mask, adv, 0.0).sum(axis=1) / np.maximum(lens, 1), np.nan)
-        seq["advantage"], _ = _floats(adv)
-    return {
-        "sequences": _table({k: v for k, v in seq.items() if v is not None}, SEQUENCE_TYPES),
-        "tokens": _table(tok, TOKEN_TYPES),
-        "scores": _table(sc, SCORE_TYPES),
-    }
+    topk = {}
+    if K is not None:
+        k_ids = np.asarray(a.rollout_topk_ids).reshape(B * T, K)
+        keep = k_ids >= 0  # ragged top-K lists come padded with id -1
+        topk = {"topk_ids": lists(k_ids, keep, TOKEN_TYPES["topk_ids_rollout"]),
+                "topk_logps": lists(np.asarray(a.rollout_topk_logps).reshape(B * T, K), keep,
+                                    TOKEN_TYPES["topk_logps_rollout"])}  # fmt: skip
+    batch = FlatBatch(
+        step=int(step), rank=0, offsets=np.arange(0, B * T + 1, T, dtype=np.int64), **flat,
+        advantage=None if adv is None or adv.ndim == 1 else adv.reshape(B * T),
+        seq_advantage=adv if adv is not None and adv.ndim == 1 else None,
+        reward=a.rewards,
+        prompt_id=None if a.group_ids is None else np.array([str(g) for g in np.asarray(a.group_ids)], dtype=object),
+        extra={name: pa.array(list(v), type=SEQUENCE_TYPES.get(name)) for name, v in (a.sequence_columns or {}).items()},
+        **topk,
+    )
+    tables, _ = batch_tables(run_id, batch, 0, scorer, texts, ids=np.asarray(ids, dtype=np.int64), keep_empty=True)
+    return tables
 
 
 def metric_table(run_id: str, step: int, metrics: dict[str, float]) -> pa.Table:
     """train_metrics rows (run_id, step, name, value) of one step."""
     names = sorted(metrics)
     vals = np.array([float(metrics[k]) for k in names], dtype=np.float64)
-    value, _ = _floats(vals)
-    return pa.table({"run_id": _repeat(run_id, len(names), pa.string()), "step": _repeat(int(step), len(names), pa.int32()),
+    value, _ = floats(vals)
+    return pa.table({"run_id": repeat(run_id, len(names), pa.string()), "step": repeat(int(step), len(names), pa.int32()),
                      "name": pa.array(names, type=pa.string()), "value": value}, schema=pa.schema(METRIC_TYPES))
 
-
-def _table(columns: dict[str, pa.Array], types: dict[str, pa.DataType]) -> pa.Table:
-    """Contract columns in contract order (cast to their types), extra columns after them."""
-    order = [c for c in types if c in columns] + [c for c in columns if c not in types]
-    return pa.table({c: columns[c].cast(types[c]) if c in types else columns[c] for c in order})

@@ -304,7 +304,6 @@ def train(cfg: TrainConfig, *, progress: bool = True, log=None) -> str:
     from transformers import AutoModelForCausalLM
 
     from mismatch_lab.collect import (
-        TokenTexts,
         _device_name,
         _load_tokenizer,
         encode_prompts,
@@ -312,6 +311,7 @@ def train(cfg: TrainConfig, *, progress: bool = True, log=None) -> str:
     )
     from mismatch_lab.engines.base import TORCH_DTYPES, GenRequest, make_engine
     from mismatch_lab.models import resolve_model, weights_sha256
+    from mismatch_lab.record.flat import TextLookup
     from mismatch_lab.record.tables import step_tables
     from mismatch_lab.rl.advantages import group_advantages
     from mismatch_lab.rl.losses import TopK, bad_update_metrics, policy_loss
@@ -377,7 +377,7 @@ def train(cfg: TrainConfig, *, progress: bool = True, log=None) -> str:
     writer.start_run(run_id, study=cfg.study, kind="train", model=model_path, weights_sha256=weights_sha256(model_path),
                      engine="vllm", engine_dtype=cfg.rollout_dtype, device=_device_name("cpu" if not torch.cuda.is_available() else "cuda"),
                      versions=versions, config=run_cfg)
-    texts = TokenTexts(tokenizer)
+    text_lookup = TextLookup(tokenizer)
     G = cfg.samples_per_prompt
     try:
         for step in range(start + 1, cfg.steps + 1):
@@ -482,7 +482,7 @@ def train(cfg: TrainConfig, *, progress: bool = True, log=None) -> str:
             # loop writes them into its DuckDB store in one transaction with the metrics (resume unit = step)
             tables = step_tables(run_id, step, np.array([r["seq_id"] for r in seq_rows], dtype=np.int64),
                                  step_arrays(samples, seq_rows, logp_mu, logp_before, entropy, mask, adv, rewards),
-                                 scorer_name, texts=texts.many)
+                                 scorer_name, texts=text_lookup)
             seqs, toks, scs = tables["sequences"], tables["tokens"], tables["scores"]
             writer.write_chunk(run_id, step, sequences=seqs, tokens=toks, scores=scs,
                                seconds=time.perf_counter() - t_step,

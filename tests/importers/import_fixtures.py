@@ -149,7 +149,7 @@ def _dicts(cursor) -> list[dict]:
 
 def stored(store: Path, run_id: str) -> dict:
     """(step, rank, sample index) -> the stored rows of that sequence, read back through open_store."""
-    from mismatch_lab.record.tables import INDEX_BITS
+    from mismatch_lab.record.arrow import INDEX_BITS
     from mismatch_lab.store.reader import open_store
 
     con = open_store(store)

@@ -1,8 +1,8 @@
-"""One batch of imported sequences as flat arrays, and the contract rows it becomes.
+"""A batch of sequences as flat arrays, and the contract rows it becomes: the one place the row rules live.
 
-Every importer reads its source into `FlatBatch`es: the positions of S samples laid end to end (N
-positions in all), `offsets` marking where each sample starts. This is the flat counterpart of
-`record.tables.StepArrays` (which is [B, T], padded): the rules are the same as `step_tables`:
+The positions of S samples are laid end to end (N positions in all), `offsets` marking where each sample
+starts. Importers read their sources into `FlatBatch`es; the Recorder and the train loop hand [B, T]
+padded arrays to `record.tables.step_tables`, which lays them out flat and calls `batch_tables`. Rules:
 
 * a position is stored when `mask` is true (the loss mask: the response tokens the trainer trains on);
   `pos` counts from the sample's first stored position, so a hole in the mask keeps its place;
@@ -11,8 +11,9 @@ positions in all), `offsets` marking where each sample starts. This is the flat 
 * a per-token advantage goes to the extra `tokens.advantage` column and its mean over the sample's
   stored tokens to `sequences.advantage`.
 
-One rule differs: a sample without any stored position is not written (nothing of it was trained on;
-prime-rl's packing pads with such samples).
+A sample without any stored position is not written by default (nothing of it was trained on;
+prime-rl's packing pads with such samples); `keep_empty=True` (the Recorder, the train loop) writes it
+with response_len 0, so a step's sequence count is what the loop generated.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 
-from mismatch_lab.record.tables import _floats, _repeat, _table, seq_ids
+from mismatch_lab.record.arrow import contract_table, floats, repeat, seq_ids
 from mismatch_lab.store.writer import SCORE_TYPES, SEQUENCE_TYPES, TOKEN_TYPES
 
 
@@ -91,31 +92,35 @@ def _float_lists(lists: pa.Array) -> pa.Array:
     lists = lists.cast(TOKEN_TYPES["topk_logps_rollout"])
     offsets = lists.offsets
     values = lists.values.slice(offsets[0].as_py(), offsets[-1].as_py() - offsets[0].as_py())
-    inner, _ = _floats(values.to_numpy(zero_copy_only=False))
+    inner, _ = floats(values.to_numpy(zero_copy_only=False))
     rebased = pa.array(offsets.to_numpy() - offsets[0].as_py(), type=pa.int32())
     mask = lists.is_null() if lists.null_count else None
     return pa.ListArray.from_arrays(rebased, inner, type=lists.type, mask=mask)
 
 
-def batch_tables(run_id: str, f: FlatBatch, first_index: int, scorer: str,
-                 texts: TextLookup | None = None) -> tuple[dict[str, pa.Table], BatchStats]:
-    """The sequences, tokens and scores rows of `f`; its kept samples get sequence indices
-    `first_index, first_index + 1, ...` of (f.step, f.rank) (`record.tables.seq_ids`)."""
+def batch_tables(run_id: str, f: FlatBatch, first_index: int, scorer: str, texts: TextLookup | None = None,
+                 *, ids: np.ndarray | None = None, keep_empty: bool = False) -> tuple[dict[str, pa.Table], BatchStats]:
+    """The sequences, tokens and scores rows of `f`. Its kept samples (those with a stored position, or
+    all with keep_empty) get sequence indices `first_index, first_index + 1, ...` of (f.step, f.rank)
+    (`record.arrow.seq_ids`), or the seq_id values `ids` [S] when given."""
     S = f.n_samples
     lengths = np.diff(f.offsets)
     sample_of = np.repeat(np.arange(S), lengths)
     sel = np.flatnonzero(np.asarray(f.mask, dtype=bool))
     b = sample_of[sel]  # non-decreasing: positions are laid out sample after sample
     lens_all = np.bincount(b, minlength=S)
-    kept = np.flatnonzero(lens_all > 0)
+    kept = np.arange(S) if keep_empty else np.flatnonzero(lens_all > 0)
     K, n = len(kept), len(sel)
     stats = BatchStats(sequences=K, skipped_samples=S - K, tokens=n)
-    row = (np.cumsum(lens_all > 0) - 1)[b]  # each stored token's row among the kept samples
-    first = sel[np.searchsorted(b, kept)]  # flat index of each kept sample's first stored position
-    ids = seq_ids(f.step, f.rank, first_index, K)
+    row_of = np.full(S, -1, dtype=np.int64)
+    row_of[kept] = np.arange(K)
+    row = row_of[b]  # each stored token's row among the kept samples
+    starts = np.searchsorted(b, kept)  # flat index of each kept sample's first stored position (its start if none)
+    first = np.where(lens_all[kept] > 0, sel[np.minimum(starts, max(n - 1, 0))] if n else 0, f.offsets[kept])
+    ids = seq_ids(f.step, f.rank, first_index, K) if ids is None else np.asarray(ids, dtype=np.int64)[kept]
     lens = lens_all[kept].astype(np.int32)
 
-    run_tok = _repeat(run_id, n, pa.string())
+    run_tok = repeat(run_id, n, pa.string())
     seq_tok = pa.array(ids[row], type=pa.int64())
     pos = pa.array((sel - first[row]).astype(np.int32))
     token_ids = np.asarray(f.token_ids)[sel]
@@ -124,19 +129,19 @@ def batch_tables(run_id: str, f: FlatBatch, first_index: int, scorer: str,
         tok["token_text"], tok["category"] = texts(token_ids)
     mu = np.asarray(f.logp_rollout, dtype=np.float64)[sel]
     pi = np.asarray(f.logp_trainer, dtype=np.float64)[sel]
-    tok["logp_rollout"], bad_mu = _floats(mu)
+    tok["logp_rollout"], bad_mu = floats(mu)
     if f.topk_ids is not None:
         take = pa.array(sel)
         tok["topk_ids_rollout"] = f.topk_ids.take(take).cast(TOKEN_TYPES["topk_ids_rollout"])
         tok["topk_logps_rollout"] = _float_lists(f.topk_logps.take(take))
     adv_tok = None if f.advantage is None else np.asarray(f.advantage, dtype=np.float64)[sel]
     if adv_tok is not None:
-        tok["advantage"], _ = _floats(adv_tok)
+        tok["advantage"], _ = floats(adv_tok)
 
-    logp, bad_pi = _floats(pi)
-    sc = {"run_id": run_tok, "seq_id": seq_tok, "pos": pos, "scorer": _repeat(scorer, n, pa.string()), "logp": logp}
+    logp, bad_pi = floats(pi)
+    sc = {"run_id": run_tok, "seq_id": seq_tok, "pos": pos, "scorer": repeat(scorer, n, pa.string()), "logp": logp}
     if f.entropy is not None:
-        sc["entropy"], _ = _floats(np.asarray(f.entropy, dtype=np.float64)[sel])
+        sc["entropy"], _ = floats(np.asarray(f.entropy, dtype=np.float64)[sel])
     bad = bad_mu | bad_pi
     sc["nonfinite"] = pa.array(bad, type=pa.bool_())
     good = ~bad
@@ -144,22 +149,22 @@ def batch_tables(run_id: str, f: FlatBatch, first_index: int, scorer: str,
     stats.finite = int(good.sum())
     stats.abs_diff_sum = float(np.abs(pi[good] - mu[good]).sum())
 
-    seq = {"run_id": _repeat(run_id, K, pa.string()), "seq_id": pa.array(ids, type=pa.int64())}
+    seq = {"run_id": repeat(run_id, K, pa.string()), "seq_id": pa.array(ids, type=pa.int64())}
     if f.prompt_id is not None:
         seq["prompt_id"] = pa.array(np.asarray(f.prompt_id, dtype=object)[kept], type=pa.string())
-    seq["step"] = _repeat(int(f.step), K, pa.int32())
+    seq["step"] = repeat(int(f.step), K, pa.int32())
     seq["response_len"] = pa.array(lens)
     if f.reward is not None:
-        seq["reward"], _ = _floats(np.asarray(f.reward, dtype=np.float64)[kept])
+        seq["reward"], _ = floats(np.asarray(f.reward, dtype=np.float64)[kept])
     elif f.token_reward is not None:
-        seq["reward"], _ = _floats(np.asarray(f.token_reward, dtype=np.float64)[first])
+        seq["reward"], _ = floats(np.asarray(f.token_reward, dtype=np.float64)[first])
     seq_adv = None if f.seq_advantage is None else np.asarray(f.seq_advantage, dtype=np.float64)[kept]
     if adv_tok is not None:  # the sample's mean advantage over its stored tokens (NaN if one is missing)
-        with np.errstate(invalid="ignore"):
+        with np.errstate(invalid="ignore", divide="ignore"):  # an empty kept sample: NaN -> NULL
             mean = np.bincount(row, weights=adv_tok, minlength=K) / lens
         seq_adv = mean if seq_adv is None else np.where(np.isnan(seq_adv), mean, seq_adv)
     if seq_adv is not None:
-        seq["advantage"], _ = _floats(seq_adv)
+        seq["advantage"], _ = floats(seq_adv)
     if f.prompt_before_mask:
         seq["prompt_len"] = pa.array((first - f.offsets[kept]).astype(np.int32))
     elif f.prompt_len is not None:
@@ -168,9 +173,9 @@ def batch_tables(run_id: str, f: FlatBatch, first_index: int, scorer: str,
     for name, values in f.extra.items():
         seq[name] = values.take(take_kept)
     tables = {
-        "sequences": _table(seq, SEQUENCE_TYPES),
-        "tokens": _dictionary(_table(tok, TOKEN_TYPES), {"run_id": run_id}),
-        "scores": _dictionary(_table(sc, SCORE_TYPES), {"run_id": run_id, "scorer": scorer}),
+        "sequences": contract_table(seq, SEQUENCE_TYPES),
+        "tokens": _dictionary(contract_table(tok, TOKEN_TYPES), {"run_id": run_id}),
+        "scores": _dictionary(contract_table(sc, SCORE_TYPES), {"run_id": run_id, "scorer": scorer}),
     }
     return tables, stats
 

@@ -1,0 +1,59 @@
+"""Arrow building blocks of the contract rows (numpy in, Arrow out; no per-token Python lists), and the
+sequence ids of recorded and imported runs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+
+RANK_BITS = 12
+INDEX_BITS = 20
+MAX_RANKS = 1 << RANK_BITS
+MAX_SEQUENCES = 1 << INDEX_BITS
+"""seq_id = step << 32 | rank << 20 | index: unique within a run across ranks and steps without any
+coordination (4096 ranks, 2^20 sequences per rank and step)."""
+
+
+def seq_ids(step: int, rank: int, first_index: int, n: int) -> np.ndarray:
+    """[n] int64 sequence ids of `n` sequences of (step, rank) starting at `first_index`."""
+    if not 0 <= rank < MAX_RANKS:
+        raise ValueError(f"rank {rank} outside [0, {MAX_RANKS})")
+    if first_index + n > MAX_SEQUENCES:
+        raise ValueError(f"more than {MAX_SEQUENCES} sequences for one (step, rank)")
+    if not 0 <= step < (1 << 31):
+        raise ValueError(f"step {step} outside [0, 2^31)")
+    return (np.int64(step) << 32) | (np.int64(rank) << INDEX_BITS) | np.arange(first_index, first_index + n, dtype=np.int64)
+
+
+def floats(values: np.ndarray) -> tuple[pa.Array, np.ndarray]:
+    """float64 Arrow array with NULL where not finite, and the [n] non-finite flags."""
+    v = np.asarray(values, dtype=np.float64)
+    bad = ~np.isfinite(v)
+    return pa.array(v, mask=bad if bad.any() else None, type=pa.float64()), bad
+
+
+def repeat(value, n: int, typ: pa.DataType) -> pa.Array:
+    """`value` n times, dictionary-encoded for strings (one copy of the string, not n)."""
+    if value is None:
+        return pa.nulls(n, type=typ)
+    if pa.types.is_string(typ):
+        return pa.DictionaryArray.from_arrays(pa.array(np.zeros(n, dtype=np.int32)), pa.array([value])).cast(typ)
+    return pa.array(np.full(n, value), type=typ)
+
+
+def lists(values: np.ndarray, keep: np.ndarray, typ: pa.DataType) -> pa.Array:
+    """[n, K] values -> a list array of n lists holding the entries where `keep` [n, K] is true, in order
+    (ragged top-K: padding entries are dropped); NULL elements where a float is not finite."""
+    flat = values[keep]
+    if pa.types.is_floating(typ.value_type):
+        inner, _ = floats(flat)
+    else:
+        inner = pa.array(flat.astype(np.int32), type=typ.value_type)
+    offsets = pa.array(np.concatenate([[0], np.cumsum(keep.sum(axis=1))]).astype(np.int32))
+    return pa.ListArray.from_arrays(offsets, inner, type=typ)
+
+
+def contract_table(columns: dict[str, pa.Array], types: dict[str, pa.DataType]) -> pa.Table:
+    """Contract columns in contract order (cast to their types), extra columns after them."""
+    order = [c for c in types if c in columns] + [c for c in columns if c not in types]
+    return pa.table({c: columns[c].cast(types[c]) if c in types else columns[c] for c in order})
