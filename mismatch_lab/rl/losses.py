@@ -1,6 +1,6 @@
 """Policy objectives, one entry point: `policy_loss(name, logp, logp_rollout, advantages, mask, ...) -> (loss, metrics)`.
 
-Notation (DESIGN.md): μ = rollout-engine probability of the sampled token (`logp_rollout`), π = trainer
+Notation (docs/design.md): μ = rollout-engine probability of the sampled token (`logp_rollout`), π = trainer
 probability of the same token (`logp`, the only input that carries a gradient), r = π/μ, A = advantage.
 The trust region is measured against an *anchor* a: μ itself (`anchor='rollout'`, the default) or the
 trainer's recomputed π_old (`anchor='old'`, the "decoupled" ablation); ρ = π/a (= r when a = μ).

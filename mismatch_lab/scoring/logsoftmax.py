@@ -5,7 +5,7 @@ The naive computation this replaces is
     logp = torch.log_softmax((h @ W.T).float(), dim=-1)          # [N, V]: N tokens x V vocabulary
 
 which for N = 32 x 191 tokens and V = 49152 allocates ~1.2 GB per tensor and +2 GiB peak on CPU
-(ENVIRONMENT.md). Here the rows are processed `chunk_rows` at a time: peak memory is
+(docs/environment.md). Here the rows are processed `chunk_rows` at a time: peak memory is
 O(chunk_rows x V), independent of batch x length, and every value equals the naive one because each
 row's log-softmax only depends on that row.
 

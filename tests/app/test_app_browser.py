@@ -23,7 +23,7 @@ from app_paths import APP, REPO
 
 CHROMIUM = Path("/usr/bin/chromium")
 SCREENSHOTS = REPO / "tests" / "screenshots"
-# ENVIRONMENT.md, "Browser tests": the flags a headless Chromium needs here
+# docs/environment.md, "Browser tests": the flags a headless Chromium needs here
 CHROMIUM_FLAGS = [
     "--headless",
     "--no-sandbox",

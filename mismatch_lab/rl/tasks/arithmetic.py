@@ -5,7 +5,7 @@
     arithmetic.write_jsonl("data/arith-sanity.jsonl", problems)   # feeds `mismatch-lab collect --prompts`
     arithmetic.reward("7 + 5 = 12.", problems[0].answer)          # 1.0 or 0.0
 
-Splits, sized from what the embedded SmolLM2-135M-Instruct solves at T=1 (ENVIRONMENT.md: vLLM bf16, chat
+Splits, sized from what the embedded SmolLM2-135M-Instruct solves at T=1 (docs/environment.md: vLLM bf16, chat
 template, this prompt suffix, last number parsed, 32 problems x 4 samples):
     sanity  single-digit a + b and a × b, a, b in 1..9 (162 distinct problems): ~27 % / ~32 % solved,
             a small learnable set in the spirit of the DPPO/FP16 papers' sanity test
