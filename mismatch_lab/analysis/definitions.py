@@ -30,18 +30,10 @@ from __future__ import annotations
 
 import math
 
+# the rollout label is part of the data contract (store.schema); re-exported for the analyses
+from mismatch_lab.store.schema import rollout_label_sql
+
 # -- labels ---------------------------------------------------------------------------------------
-
-
-def rollout_label_sql(alias: str | None = "runs") -> str:
-    """SQL of a run's rollout label over the `runs` columns of `alias` (None: unqualified): '<engine>:<dtype>',
-    e.g. 'vllm:bf16', or just '<engine>' (e.g. 'vllm') where engine_dtype is NULL or empty (a recorded or imported
-    run whose framework did not say). The one definition of the label: every query that names a rollout
-    builds it here."""
-    p = f"{alias}." if alias else ""
-    return f"({p}engine || coalesce(':' || nullif({p}engine_dtype, ''), ''))"
-
-
 ROLLOUT_LABEL_SQL = rollout_label_sql("runs")
 """A rollout is named '<engine>:<dtype>' from its run, e.g. 'vllm:bf16' ('<engine>' alone when the dtype is
 unknown); a scorer is `scores.scorer`, e.g. 'hf:fp32' or a framework's 'trl:fp32'."""

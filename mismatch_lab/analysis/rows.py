@@ -280,7 +280,7 @@ class Rows:
             bucket = f"coalesce({d.bucket_sql(scale, n_buckets)}, -1) AS bucket"
             live = {n: a for n, a in aggregates.items() if constant.get(n) not in self._const}
             # together in one pass while their values fit well inside the reader's memory, else one by one
-            together = self._row_count() * 8 * len(live) <= QUANTILE_BYTES_TOGETHER
+            together = self._row_bound() * 8 * len(live) <= QUANTILE_BYTES_TOGETHER
             batches = [live] if together else [{n: a} for n, a in live.items()]
             out = None
             for batch in batches:
@@ -297,12 +297,12 @@ class Rows:
 
         return self._run(("quantiles", scale, n_buckets), run)
 
-    def _row_count(self) -> int:
-        """Rows of the rollout row set (cached; cheap on a materialised one)."""
-        if "row_count" not in self._cache:
-            rel, params = self.sql["rollout"]
-            self._cache["row_count"] = int(self.con.execute(f"SELECT count(*) FROM ({rel})", _used(rel, params)).fetchone()[0])
-        return self._cache["row_count"]
+    def _row_bound(self) -> int:
+        """An upper bound of the rollout row set's rows: the store's score rows (one per token and scorer).
+        Read from table or Parquet metadata, so it costs no pass over the (possibly live) join."""
+        if "row_bound" not in self._cache:
+            self._cache["row_bound"] = int(self.con.execute("SELECT count(*) FROM scores").fetchone()[0])
+        return self._cache["row_bound"]
 
     def sequences(self, side: str) -> pd.DataFrame:
         """One row per (pair, sequence): response_len (rows of the sequence in this pair), n_nonfinite,

@@ -25,7 +25,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import platform
 import re
 import sys
 import time
@@ -39,8 +38,8 @@ import pyarrow.parquet as pq
 
 from mismatch_lab.errors import UserError
 from mismatch_lab.record.arrow import INDEX_BITS, MAX_RANKS, RANK_BITS
-from mismatch_lab.record.flat import BatchStats, TextLookup, batch_tables
-from mismatch_lab.record.recorder import DTYPES, scorer_label
+from mismatch_lab.record.flat import TOKENS_STORED, BatchStats, TextLookup, batch_tables
+from mismatch_lab.record.recorder import DTYPES, package_versions, scorer_label
 from mismatch_lab.store import shards
 
 ENGINES = ("vllm", "sglang", "unknown")
@@ -48,7 +47,7 @@ ENGINES = ("vllm", "sglang", "unknown")
 SHARD_TOKENS = 2_000_000
 """Batches of one source file and step are gathered into shards of about this many tokens."""
 IMPORT_NAME = re.compile(r"^import-([0-9a-f]{16})(-p\d{4})?$")
-TOKENS_STORED = "loss-mask (response) tokens only; pos counts from the first one"
+IMPORT_PACKAGES = ("mismatch-lab", "pyarrow", "numpy", "torch", "transformers")
 
 
 @dataclass
@@ -136,18 +135,6 @@ def next_free_index(root: Path, run_id: str, step: int, rank: int) -> int:
     return int(mine.max()) + 1 if len(mine) else 0
 
 
-def _versions() -> dict:
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = {"python": platform.python_version()}
-    for pkg in ("mismatch-lab", "pyarrow", "numpy", "torch", "transformers"):
-        try:
-            out[pkg] = version(pkg)
-        except PackageNotFoundError:
-            pass
-    return out
-
-
 def _existing_run(root: Path, run_id: str) -> dict | None:
     p = root / "runs" / run_id / "rank-00000.parquet"
     if not p.is_file():
@@ -233,7 +220,7 @@ def run_row(run_id: str, root: Path, fmt: str, framework: str, args, disc: Disco
     return {
         "run_id": run_id, "study": root.name, "kind": "import", "created_at": shards.now_utc(), "status": "complete",
         "model": None, "weights_sha256": None, "engine": args.rollout_engine, "engine_dtype": args.rollout_dtype,
-        "device": None, "versions": _versions(),
+        "device": None, "versions": package_versions(IMPORT_PACKAGES),
         "config": {"framework": framework, "format": fmt, "trainer_dtype": args.trainer_dtype, "scorer": scorer,
                    "source": str(source), "tokens_stored": TOKENS_STORED,
                    "tokenizer": getattr(args, "tokenizer", None), **disc.config},

@@ -33,12 +33,9 @@ def floats(values: np.ndarray) -> tuple[pa.Array, np.ndarray]:
 
 
 def repeat(value, n: int, typ: pa.DataType) -> pa.Array:
-    """`value` n times, dictionary-encoded for strings (one copy of the string, not n)."""
-    if value is None:
-        return pa.nulls(n, type=typ)
-    if pa.types.is_string(typ):
-        return pa.DictionaryArray.from_arrays(pa.array(np.zeros(n, dtype=np.int32)), pa.array([value])).cast(typ)
-    return pa.array(np.full(n, value), type=typ)
+    """`value` (or NULL) n times as an array of `typ`. Constant strings of a written table are
+    dictionary-encoded once, when the table is finished (`flat._dictionary`)."""
+    return pa.repeat(pa.scalar(value, type=typ), n)
 
 
 def lists(values: np.ndarray, keep: np.ndarray, typ: pa.DataType) -> pa.Array:

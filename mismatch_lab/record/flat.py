@@ -26,6 +26,9 @@ import pyarrow as pa
 from mismatch_lab.record.arrow import contract_table, floats, repeat, seq_ids
 from mismatch_lab.store.writer import SCORE_TYPES, SEQUENCE_TYPES, TOKEN_TYPES
 
+TOKENS_STORED = "loss-mask (response) tokens only; pos counts from the first one"
+"""What a recorded or imported run's `runs.config` says about its tokens (the rule above, in one line)."""
+
 
 @dataclass
 class FlatBatch:

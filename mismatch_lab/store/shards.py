@@ -145,26 +145,26 @@ def _fsync(path: Path) -> None:
 
 
 def _atomic_bytes(final: Path, data: bytes) -> None:
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _tmp(final)
-    tmp.write_bytes(data)
-    _fsync(tmp)
-    os.replace(tmp, final)
-
-
-def write_parquet_atomic(table, final: Path) -> None:
-    """Write the Arrow `table` to `final` through a temporary file and a rename (module docstring)."""
-    import pyarrow.parquet as pq
-
+    """Write `data` to `final` through a temporary file, fsync and a rename (module docstring)."""
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = _tmp(final)
     try:
-        pq.write_table(table, tmp, compression=COMPRESSION)
+        tmp.write_bytes(data)
         _fsync(tmp)
         os.replace(tmp, final)
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+def write_parquet_atomic(table, final: Path) -> None:
+    """Write the (small) Arrow `table` to `final` as Parquet, atomically (`_atomic_bytes`)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    buf = pa.BufferOutputStream()
+    pq.write_table(table, buf, compression=COMPRESSION)
+    _atomic_bytes(final, buf.getvalue().to_pybytes())
 
 
 def now_utc() -> datetime:
