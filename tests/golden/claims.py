@@ -1,0 +1,340 @@
+"""Every number the claims table of studies/README.md quotes, tied to the golden numbers it comes from.
+
+`quotes(g)` lists one `Quote` per fragment of a claim row: the fragment as the table writes it, with each
+checked number in braces, and for each brace the golden value(s) behind it (a fraction where the table
+writes `%`: it is multiplied by 100). A quoted number must be the value rounded to the digits it is written
+with: "0.100" holds for 0.09950 … 0.10050, "2.3e-3" for 2.25e-3 … 2.35e-3, "14,116" only for 14116; where a
+brace stands for several values (a range's end, "each", "for all"), every one of them must round to it.
+An explicit `unit` widens that to the stated rounding step ("2,100" with unit=100).
+`CONTEXT` lists the numbers of the table that are not data of the stored results (thresholds, study sizes,
+the papers' values) with the reason; tests/test_golden.py requires every number of the table to be in one
+of the two lists, checks each quote against tests/golden/<study>.json, and those files against the
+committed Parquet.
+
+The golden values are read with `Golden`: `g.one(study, table, **where)` is the single row of the analyze
+table matching `where`; `g.col(study, table, column, **where)` the column over every matching row;
+`g.train(loss, name)` a dppo-sanity training run's metric by step ({step: value}, `analyze` key
+violations, source train_metrics), its run found by the objective in the run id.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+from dataclasses import dataclass
+from itertools import pairwise
+
+NUMBER = re.compile(r"(?<![\w.])(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:e[−-]?\d+)?")
+SIGNED = re.compile(r"[−+-]?" + NUMBER.pattern.replace("(?<![\\w.])", ""))
+BRACED = re.compile(r"\{([^{}]*)\}")
+
+
+def _spans(text: str) -> list[tuple[int, int]]:
+    """(start, end) in the unbraced fragment of every braced part."""
+    out, removed = [], 0
+    for m in BRACED.finditer(text):
+        start = m.start() - removed
+        out.append((start, start + len(m.group(1))))
+        removed += 2
+    return out
+
+
+@dataclass(frozen=True)
+class Quote:
+    claim: int
+    text: str  # the fragment of the claim row, each checked number in {}
+    values: tuple  # one per brace: a number or a list of numbers (each must round to the quote)
+    unit: float | None = None  # rounding step, if coarser than the digits written
+    holds: bool | None = None  # a statement of the fragment in words ("none", "identical"), evaluated on the data
+
+    @property
+    def fragment(self) -> str:
+        return BRACED.sub(r"\1", self.text)
+
+    def locate(self, row: str) -> re.Match | None:
+        """The fragment in the row, whatever numbers stand in its braces (so a changed number is reported as
+        wrong, not as a missing fragment)."""
+        parts = BRACED.split(self.text)  # literal, braced, literal, ...
+        pattern = "".join(re.escape(p) if i % 2 == 0 else f"({SIGNED.pattern})" for i, p in enumerate(parts))
+        return re.search(pattern, row)
+
+    def problems(self, found: re.Match) -> list[str]:
+        braces = found.groups()
+        if len(braces) != len(self.values):
+            return [f"{len(braces)} braced numbers but {len(self.values)} values"]
+        out = [] if self.holds is not False else ["the statement does not hold on the data"]
+        for i, (quoted, value) in enumerate(zip(braces, self.values), start=1):
+            percent = found.string[found.end(i):].lstrip().startswith("%")
+            q, unit = parse(quoted)
+            unit = max(unit, self.unit or 0.0)
+            for v in value if isinstance(value, (list, tuple)) else [value]:
+                if v is None:
+                    out.append(f"{quoted}: the golden value is null")
+                    continue
+                shown = v * 100 if percent else v
+                if abs(shown - q) > unit / 2 * (1 + 1e-9):
+                    out.append(f"{quoted}{' %' if percent else ''} quoted, the data give {shown:.6g}")
+        return out
+
+
+@dataclass(frozen=True)
+class Context:
+    claim: int
+    text: str  # fragment with the numbers it explains in {}
+    reason: str
+
+    @property
+    def fragment(self) -> str:
+        return BRACED.sub(r"\1", self.text)
+
+    def spans(self) -> list[tuple[int, int]]:
+        return _spans(self.text)
+
+
+def parse(quoted: str) -> tuple[float, float]:
+    """The number written and its last digit's unit: '0.100' -> (0.1, 0.001), '2.3e-3' -> (0.0023, 1e-4)."""
+    s = quoted.replace("−", "-").replace(",", "").replace("+", "")
+    mantissa, _, exp = s.partition("e")
+    decimals = len(mantissa.split(".")[1]) if "." in mantissa else 0
+    return float(s), 10.0 ** ((int(exp) if exp else 0) - decimals)
+
+
+class Golden:
+    def __init__(self, docs: dict[str, dict]):
+        self.docs = docs
+
+    def rows(self, study: str, table: str, **where) -> list[dict]:
+        return [r for r in self.docs[study]["analyze"][table]["rows"] if all(r.get(c) == v for c, v in where.items())]
+
+    def one(self, study: str, table: str, **where) -> dict:
+        found = self.rows(study, table, **where)
+        if len(found) != 1:
+            raise LookupError(f"{study} {table} {where}: {len(found)} rows, expected one")
+        return found[0]
+
+    def col(self, study: str, table: str, column: str, **where) -> list:
+        found = self.rows(study, table, **where)
+        if not found:
+            raise LookupError(f"{study} {table} {where}: no rows")
+        return [r.get(column) for r in found]
+
+    def train(self, loss: str, name: str) -> dict[int, float]:
+        out = {r["step"]: r.get("value") for r in self.rows("dppo-sanity", "violations", source="train_metrics", name=name)
+               if r["run_id"].startswith(f"dppo-sanity-train-{loss}-")}
+        if not out:
+            raise LookupError(f"no train_metrics {name} for {loss}")
+        return out
+
+
+LOSSES = ("dppo_binary_tv", "dppo_binary_kl", "dppo_topk_tv", "grpo", "pg_is", "cispo")
+PS = "precision-sweep"
+
+
+def quotes(g: Golden) -> list[Quote]:
+    def pair(rollout, scorer, **kw):  # precision row of a (rollout, scorer) pair
+        return g.one(PS, "precision", comparison="rollout_vs_scorer", rollout=rollout, scorer=scorer, **kw)
+
+    def floor(rollout, scorer):  # scorer vs the hf:fp32 reference on a rollout's tokens
+        return g.one(PS, "precision", comparison="scorer_vs_reference", rollout=rollout, scorer=scorer)
+
+    def vol(rollout, scorer, bucket):
+        return g.one(PS, "volatility", scale="linear", rollout=rollout, scorer=scorer, bucket=bucket)
+
+    def cat(category, rollout="vllm:bf16", scorer="hf:bf16"):
+        return g.one(PS, "clipping", view="category", rollout=rollout, scorer=scorer, adv_sign="all", category=category)
+
+    def approx(rollout, scorer):
+        return g.one(PS, "approximation", rollout=rollout, scorer=scorer, reference="hf:fp32")
+
+    def mean_of(loss, name, steps=None):
+        series = g.train(loss, name)
+        return statistics.fmean(v for s, v in series.items() if steps is None or s in steps)
+
+    rollouts = ("vllm:bf16", "vllm:fp16", "vllm:fp32")
+    bb = pair("vllm:bf16", "hf:bf16")
+    ff = pair("vllm:fp16", "hf:fp16")
+    same_pairs = [pair(r, r.replace("vllm", "hf")) for r in rollouts]
+    b_buckets = [vol("vllm:bf16", "hf:bf16", b) for b in range(10)]
+
+    def falls(rollout, scorer):  # r's std decreases from every μ bucket to the next
+        stds = [vol(rollout, scorer, b)["r_std"] for b in range(10)]
+        return all(a > b for a, b in pairwise(stds))
+    cats = g.rows(PS, "clipping", view="category", rollout="vllm:bf16", scorer="hf:bf16", adv_sign="all")
+    n_clip = sum(r["n_ratio_clip"] for r in cats)
+    n_all = sum(r["n_tokens"] for r in cats)
+    n_tv = sum(round(r["frac_tv_mask"] * r["n_tokens"]) for r in cats)
+    n_kl = sum(round(r["frac_kl_mask"] * r["n_tokens"]) for r in cats)
+    clip_by_bucket = [g.one(PS, "clipping", view="mu_bucket", rollout="vllm:bf16", scorer="hf:bf16", adv_sign="all",
+                            scale="linear", bucket=b)["n_ratio_clip"] for b in range(10)]
+    top = {r["rank"]: r for r in g.rows(PS, "clipping", view="top_token", rollout="vllm:bf16", scorer="hf:bf16")}
+
+    def same_dtype_clips(d):
+        return sum(g.col(PS, "clipping", "n_ratio_clip", view="category", rollout=f"vllm:{d}", scorer=f"hf:{d}", adv_sign="all"))
+
+    acc = {loss: (mean_of(loss, "reward/accuracy/mean", range(1, 6)), mean_of(loss, "reward/accuracy/mean", range(6, 11)))
+           for loss in LOSSES}
+    masked = {loss: mean_of(loss, "mask/nonzero_adv/frac") for loss in LOSSES}
+    bad_mean = {loss: mean_of(loss, "bad_update/all/frac") for loss in LOSSES}
+    bad_count = {loss: sum(g.train(loss, "bad_update/all/count").values()) for loss in LOSSES}
+    bad_tv = g.train("dppo_binary_tv", "bad_update/all/frac")
+    abs_dp = [v for loss in LOSSES for v in g.train(loss, "mismatch/abs_dp/mean").values()]
+    entropy = {loss: g.train(loss, "entropy/mean") for loss in LOSSES}
+    tokens = [sum(g.train(loss, "tokens/valid/count").values()) for loss in LOSSES]
+
+    return [
+        # -- 1: r volatile for rare tokens, binary TV small (precision-sweep volatility, linear buckets)
+        Quote(1, "vllm:bf16/hf:bf16, n = {14,116}", (bb["n_finite"],)),
+        Quote(1, "std of r is {0.100} for μ < 0.1 (1–99 % range {0.77}–{1.27}, {2.8} % outside [0.8, 1.28]; n = {4,139})",
+              (b_buckets[0]["r_std"], b_buckets[0]["r_p01"], b_buckets[0]["r_p99"], b_buckets[0]["frac_r_outside_eps"],
+               b_buckets[0]["n_tokens"])),
+        Quote(1, "falls steadily to {0.0050} for μ ≥ 0.9 ({0.982}–{1.016}, n = {3,276})",
+              (b_buckets[9]["r_std"], b_buckets[9]["r_p01"], b_buckets[9]["r_p99"], b_buckets[9]["n_tokens"]),
+              holds=falls("vllm:bf16", "hf:bf16")),
+        Quote(1, "bucket means {0.0019} (μ < 0.1) to {0.020} (μ 0.5–0.6), {0.0024} at μ ≥ 0.9",
+              (b_buckets[0]["binary_tv_mean"], b_buckets[5]["binary_tv_mean"], b_buckets[9]["binary_tv_mean"]),
+              holds=min(b_buckets, key=lambda r: r["binary_tv_mean"]) is b_buckets[0]
+              and max(b_buckets, key=lambda r: r["binary_tv_mean"]) is b_buckets[5]),
+        Quote(1, "99th percentiles {0.014}–{0.086}",
+              (min(r["binary_tv_p99"] for r in b_buckets), max(r["binary_tv_p99"] for r in b_buckets))),
+        Quote(1, "one token of {14,116} exceeds δ_TV = 0.15 (max {0.16})", (bb["n_finite"], bb["abs_dp_max"]), holds=n_tv == 1),
+        Quote(1, "(r std {0.079} → {0.0037})", (vol("vllm:bf16", "hf:fp32", 0)["r_std"], vol("vllm:bf16", "hf:fp32", 9)["r_std"]),
+              holds=falls("vllm:bf16", "hf:fp32")),
+        Quote(1, "({0.011} → {0.00056})", (vol("vllm:fp16", "hf:fp16", 0)["r_std"], vol("vllm:fp16", "hf:fp16", 9)["r_std"]),
+              holds=falls("vllm:fp16", "hf:fp16")),
+        # -- 2: FP16 vs BF16 (precision-sweep precision)
+        Quote(2, "n = {14,116}–{14,130} each",
+              (min(p["n_finite"] for p in same_pairs), max(p["n_finite"] for p in same_pairs))),
+        Quote(2, "vllm:bf16/hf:bf16 mean \\|Δp\\| {0.0083}, k3 KL {2.3e-3}, {1.1} % outside [0.8, 1.28]",
+              (bb["abs_dp_mean"], bb["kl_k3"], bb["frac_ratio_outside_clip"])),
+        Quote(2, "vllm:fp16/hf:fp16 {0.00098}, {3.1e-5}, {0} %", (ff["abs_dp_mean"], ff["kl_k3"], ff["frac_ratio_outside_clip"])),
+        Quote(2, "FP16 is {8.5}× below BF16 in \\|Δp\\| and {75}× in k3",
+              (bb["abs_dp_mean"] / ff["abs_dp_mean"], bb["kl_k3"] / ff["kl_k3"])),
+        *[Quote(2, text, (p["abs_dp_mean"], p["kl_k3"], p["frac_ratio_outside_clip"]))
+          for text, p in (("vllm:bf16 {0.0066} / {1.4e-3} / {0.43} %", pair("vllm:bf16", "hf:fp32")),
+                          ("vllm:fp16 {0.00081} / {2.1e-5} / {0} %", pair("vllm:fp16", "hf:fp32")),
+                          ("vllm:fp32/hf:fp16 {0.00082} / {2.1e-5} / {0} %", pair("vllm:fp32", "hf:fp16")),
+                          ("vllm:fp32/hf:bf16 {0.0064} / {1.3e-3} / {0.40} %", pair("vllm:fp32", "hf:bf16")))],
+        Quote(2, "vllm:fp32 {1e-6} / {3e-11}", (pair("vllm:fp32", "hf:fp32")["abs_dp_mean"], pair("vllm:fp32", "hf:fp32")["kl_k3"])),
+        Quote(2, "hf:bf16 {0.0063}–{0.0064}, hf:fp16 {0.00082}",
+              (min(floor(r, "hf:bf16")["abs_dp_mean"] for r in rollouts), max(floor(r, "hf:bf16")["abs_dp_mean"] for r in rollouts),
+               [floor(r, "hf:fp16")["abs_dp_mean"] for r in rollouts])),
+        Quote(2, "(mean {27.6})", ([pair(r, "hf:fp32")["seq_len_mean"] for r in rollouts],)),
+        Quote(2, "(vllm:bf16/hf:fp32 {+1.8}, vllm:fp16/hf:fp32 {−0.10} nats per 1K tokens, n = {512} sequences)",
+              (pair("vllm:bf16", "hf:fp32")["seq_logratio_slope_per_1k"], pair("vllm:fp16", "hf:fp32")["seq_logratio_slope_per_1k"],
+               [pair(r, "hf:fp32")["seq_n"] for r in ("vllm:bf16", "vllm:fp16")])),
+        Quote(2, "mean sequence KL k1 is {0.042} vs {0.0021}",
+              (pair("vllm:bf16", "hf:fp32")["seq_kl_k1_mean"], pair("vllm:fp16", "hf:fp32")["seq_kl_k1_mean"])),
+        # -- 3: what ratio clipping drops (precision-sweep clipping, vllm:bf16/hf:bf16, adv_sign all)
+        Quote(3, "{158} of {14,116} tokens ({1.1} %) ratio-clipped, {117} of them ({74} %) with μ < 0.1 and none with μ ≥ 0.5",
+              (n_clip, n_all, n_clip / n_all, clip_by_bucket[0], clip_by_bucket[0] / n_clip),
+              holds=sum(clip_by_bucket[5:]) == 0),
+        Quote(3, "masks drop {1} token ({0.007} %)", ([n_tv, n_kl], [n_tv / n_all, n_kl / n_all])),
+        Quote(3, "math {1.5} % (n = {724})", (cat("math")["frac_ratio_clip"], cat("math")["n_tokens"])),
+        Quote(3, "number {1.2} % ({1,167})", (cat("number")["frac_ratio_clip"], cat("number")["n_tokens"])),
+        Quote(3, "punctuation {1.4} % ({1,724})", (cat("punctuation")["frac_ratio_clip"], cat("punctuation")["n_tokens"])),
+        Quote(3, "word {1.06} % ({9,160})", (cat("word")["frac_ratio_clip"], cat("word")["n_tokens"])),
+        Quote(3, "connective {0.8} % ({123})", (cat("connective")["frac_ratio_clip"], cat("connective")["n_tokens"])),
+        Quote(3, "whitespace {0.56} %", (cat("whitespace")["frac_ratio_clip"],)),
+        Quote(3, "special {3.6} % ({137}, mostly `<\\|im_end\\|>`)", (cat("special")["frac_ratio_clip"], cat("special")["n_tokens"])),
+        Quote(3, "vllm:fp16/hf:fp16 and vllm:fp32/hf:fp32 clip nothing", (),
+              holds=same_dtype_clips("fp16") == 0 and same_dtype_clips("fp32") == 0),
+        Quote(3, "({8.9} % and {7.0} % of them vs {8.3} % and {5.1} % of all tokens)",
+              (cat("number")["n_ratio_clip"] / n_clip, cat("math")["n_ratio_clip"] / n_clip,
+               cat("number")["n_tokens"] / n_all, cat("math")["n_tokens"] / n_all)),
+        Quote(3, "words are {61} % ({65} % of all)", (cat("word")["n_ratio_clip"] / n_clip, cat("word")["n_tokens"] / n_all)),
+        Quote(3, "Most clipped strings: \".\" and `<\\|im_end\\|>` ({5} each), \"\\\\n\" and \"0\" ({4}), \"2\" and \":\" ({3})",
+              ([top[1]["n_ratio_clip"], top[2]["n_ratio_clip"]], [top[3]["n_ratio_clip"], top[4]["n_ratio_clip"]],
+               [top[5]["n_ratio_clip"], top[6]["n_ratio_clip"]])),
+        Quote(3, "({123} connective tokens in short responses)", (cat("connective")["n_tokens"],)),
+        # -- 4: binary vs top-K TV against the exact TV (precision-sweep approximation)
+        Quote(4, "(n = {14,116}–{14,130} per rollout",
+              (min(approx(r, "hf:bf16")["n_exact"] for r in rollouts), max(approx(r, "hf:bf16")["n_exact"] for r in rollouts))),
+        Quote(4, "hf:bf16 vs hf:fp32 exact TV mean {0.016}, hf:fp16 vs hf:fp32 {0.0021}",
+              (approx("vllm:bf16", "hf:bf16")["exact_tv_mean"], approx("vllm:bf16", "hf:fp16")["exact_tv_mean"])),
+        Quote(4, "no token's exact TV exceeds δ_TV = 0.15", (),
+              holds=all(approx(r, s)["frac_exact_gt_delta"] == 0 for r in rollouts for s in ("hf:bf16", "hf:fp16"))),
+        Quote(4, "agree with the exact mask decision on {100} % of tokens",
+              ([approx(r, s)[c] for r in rollouts for s in ("hf:bf16", "hf:fp16") for c in ("binary_tv_agree", "topk_tv_agree")],)),
+        Quote(4, "Pearson r {0.97} vs {0.53} for binary TV ({0.53}–{0.54} over the three rollouts)",
+              ([approx("vllm:bf16", s)["topk_tv_corr"] for s in ("hf:bf16", "hf:fp16")],
+               [approx("vllm:bf16", s)["binary_tv_corr"] for s in ("hf:bf16", "hf:fp16")],
+               min(approx(r, s)["binary_tv_corr"] for r in rollouts for s in ("hf:bf16", "hf:fp16")),
+               max(approx(r, s)["binary_tv_corr"] for r in rollouts for s in ("hf:bf16", "hf:fp16")))),
+        Quote(4, "mean absolute error {0.0016} vs {0.0097} (bf16) and {0.00021} vs {0.0012} (fp16)",
+              (approx("vllm:bf16", "hf:bf16")["topk_tv_mae"], approx("vllm:bf16", "hf:bf16")["binary_tv_mae"],
+               approx("vllm:bf16", "hf:fp16")["topk_tv_mae"], approx("vllm:bf16", "hf:fp16")["binary_tv_mae"])),
+        Quote(4, "binary TV masks {0.36} % of tokens with A ≠ 0 and top-K TV {1.4} %",
+              (masked["dppo_binary_tv"], masked["dppo_topk_tv"])),
+        # -- 5: bad updates (dppo-sanity train_metrics, means over the 10 steps)
+        Quote(5, "({2,100}–{3,300} response tokens each)", (min(tokens), max(tokens)), unit=100),
+        Quote(5, "averages {0}–{0.33} % per objective (max in any step {1.6} %, dppo_binary_tv step {10})",
+              (min(bad_mean.values()), max(bad_mean.values()), max(bad_tv.values()), max(bad_tv, key=bad_tv.get))),
+        Quote(5, "{0}–{7} such tokens per objective", (min(bad_count.values()), max(bad_count.values()))),
+        Quote(5, "dppo_binary_kl had none, dppo_binary_tv the most ({7})", (bad_count["dppo_binary_tv"],),
+              holds=bad_count["dppo_binary_kl"] == 0 and bad_count["dppo_binary_tv"] == max(bad_count.values())),
+        Quote(5, "small share confirmed (mean ≤ {0.33} %)", (max(bad_mean.values()),)),
+        # -- 6: stability (dppo-sanity train_metrics)
+        *[Quote(6, f"{text} {{{a}}} → {{{b}}}", acc[loss])
+          for loss, text, a, b in (("dppo_binary_tv", "dppo_binary_tv", "0.51", "0.66"),
+                                   ("dppo_binary_kl", "dppo_binary_kl", "0.46", "0.75"),
+                                   ("dppo_topk_tv", "dppo_topk_tv", "0.41", "0.71"),
+                                   ("grpo", "grpo (ε_high 0.28)", "0.48", "0.54"),
+                                   ("pg_is", "pg_is", "0.39", "0.83"))],
+        Quote(6, "cispo identical to pg_is", (),
+              holds=all(g.train("cispo", n) == g.train("pg_is", n)
+                        for n in ("reward/accuracy/mean", "mismatch/abs_dp/mean", "entropy/mean", "loss/value"))),
+        Quote(6, "stays between {0.007} and {0.028} per step for all", (min(abs_dp), max(abs_dp))),
+        Quote(6, "entropy falls {1.7} → {0.2}–{0.4} nats for all",
+              ([e[1] for e in entropy.values()], min(e[10] for e in entropy.values()), max(e[10] for e in entropy.values()))),
+        Quote(6, "grpo clips {3.3} % of tokens with A ≠ 0, DPPO masks {0.36} % (binary TV), {0.75} % (binary KL), {1.4} % (top-K TV)",
+              (masked["grpo"], masked["dppo_binary_tv"], masked["dppo_binary_kl"], masked["dppo_topk_tv"])),
+        # -- 7: only the precision-sweep comparison is analyze output
+        Quote(7, "(precision-sweep: {0.033})", (pair("vllm:bf16", "hf:fp32")["abs_dlogp_mean"],)),
+    ]
+
+
+CONTEXT = [
+    Context(1, "[{0.8}, {1.28}]", "the ratio clip range [1 − ε_low, 1 + ε_high] (definitions.py)"),
+    Context(1, "δ_TV = {0.15}", "DPPO's threshold (definitions.py)"),
+    Context(1, "μ < {0.1}", "a linear μ bucket's bounds"),
+    Context(1, "for μ < {0.1} ({1}–{99} % range", "a μ bucket and the quantiles shown"),
+    Context(1, "for μ ≥ {0.9}", "a μ bucket"),
+    Context(1, "to 0.020 (μ {0.5}–{0.6}), 0.0024 at μ ≥ {0.9}", "μ buckets"),
+    Context(1, "(μ < {0.1})", "a μ bucket"),
+    Context(1, "{99}th percentiles", "the quantile shown"),
+    Context(1, "({135}M model, short responses)", "the model's size"),
+    Context(2, "[{0.8}, {1.28}]", "the ratio clip range"),
+    Context(2, "(paper: {8}×, ~{100}×)", "the paper's values (docs/papers.md)"),
+    Context(2, "responses are ≤ {32} tokens", "the study's max_tokens (study.toml)"),
+    Context(2, "do not test −{1.0} vs −{0.07}", "the paper's values"),
+    Context(2, "nats per {1}K tokens", "the unit"),
+    Context(3, "with μ < {0.1}", "a μ bucket"),
+    Context(3, "none with μ ≥ {0.5}", "a μ bucket bound"),
+    Context(3, "μ < {0.1} and none", "a μ bucket bound"),
+    Context(3, "\"\\\\n\" and \"{0}\"", "a token string"),
+    Context(3, "\"{2}\" and \":\"", "a token string"),
+    Context(4, "δ_TV = {0.15}", "DPPO's threshold"),
+    Context(4, "A ≠ {0}", "the advantage's sign"),
+    Context(4, "(K = {20})", "the study's top_k (study.toml)"),
+    Context(4, "curves over {10} steps", "the study's steps (study.toml)"),
+    Context(5, "{10} steps × {16} responses per objective", "the study's size (study.toml)"),
+    Context(5, "A < {0}", "the advantage's sign"),
+    Context(5, "fell by ≥ {0.5} below μ", "the bad-update threshold δ (rl loop)"),
+    Context(5, "in {10} steps", "the study's steps"),
+    Context(6, "accuracy steps {1}–{5} → {6}–{10}", "the step ranges averaged"),
+    Context(6, "grpo (ε_high {0.28})", "GRPO-Clip-Higher's ε_high (the train command)"),
+    Context(6, "r > {3} clip", "CISPO's upper bound 1 + 2 (the train command)"),
+    Context(6, "A ≠ {0}", "the advantage's sign"),
+    Context(6, "in {10} steps", "the study's steps"),
+    Context(7, "{32} prompts × {1} sample × ≤ {32} tokens", "the study's size (study.toml)"),
+    Context(7, "generated {1}, {8} or {32} requests per vLLM call", "the study's batch sizes (study.toml)"),
+    *[Context(7, text, "figure 7 (fig7_batch_invariance, its caption): not analyze output, so not golden")
+      for text in ("only {59} % (batch {8}) and {56} % (batch {32}) of the {32} responses",
+                   "to the batch-{1} run", "mean \\|Δ log μ\\| is {0.030} nats (n = {679} / {677} tokens)",
+                   "vllm:fp32: {100} % identical, \\|Δ log μ\\| {3.8e-6} (n = {905})",
+                   "re-scoring the batch-{32} bf16 responses one sequence per forward instead of {8,192} padded tokens",
+                   "leaves {43} % of hf:bf16's log π bit-identical, mean \\|Δ log π\\| {0.019}, max {0.24} nats (n = {934})",
+                   "hf:fp32 moves by {2.8e-6} ({15} % bit-identical)",
+                   "({64} vs {1,024} rows) changes nothing ({100} % bit-identical",
+                   "fp32 does not, to {1e-5}")],
+]
