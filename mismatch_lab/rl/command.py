@@ -19,7 +19,7 @@ from mismatch_lab.studyfile import apply_study
 
 _HELP = {
     "model": "'default' (embedded SmolLM2-135M-Instruct) or an HF checkpoint directory",
-    "loss": "objective: grpo, cispo, pg_is, tis, dppo_binary_tv, dppo_binary_kl, dppo_topk_tv, dppo_topk_kl",
+
     "split": "task split: sanity (learnable) or hard",
     "prompts_per_step": "problems per step (default 4)",
     "samples_per_prompt": "samples per problem, the advantage group (default 4)",
@@ -36,7 +36,16 @@ _HELP = {
 }
 
 
+def _registry_help() -> dict[str, str]:
+    from mismatch_lab.corrections.registry import help_text
+
+    return {"loss": f"base objective (docs/corrections.md): {help_text('objective')}",
+            "correction": f"rollout correction applied on top (default none): {help_text('correction')}",
+            "correction_args": "override the correction's thresholds: name=value[,name=value], e.g. cap=3"}
+
+
 def add_arguments(parser) -> None:
+    helps = _HELP | _registry_help()
     parser.add_argument("--study", help="studies/<name>/study.toml; its [train] table sets defaults, flags override")
     for f in fields(TrainConfig):
         if f.name == "study":  # the run's study name comes from the study file's directory
@@ -45,11 +54,18 @@ def add_arguments(parser) -> None:
         kind = f.type if isinstance(f.type, str) else f.type.__name__
         if kind == "bool":
             parser.add_argument(flag, dest=f.name, type=lambda s: s.lower() in ("1", "true", "yes"), metavar="BOOL",
-                                help=_HELP.get(f.name, f"{f.name} (default {f.default})"))
+                                help=helps.get(f.name, f"{f.name} (default {f.default})"))
         else:
-            parser.add_argument(flag, dest=f.name, help=_HELP.get(f.name, f"LossConfig/TrainConfig {f.name} "
-                                                                 f"(default {f.default}); see docs/rl.md"))
+            choices = _choices(f.name)
+            parser.add_argument(flag, dest=f.name, choices=choices, help=helps.get(
+                f.name, f"LossConfig/TrainConfig {f.name} (default {f.default}); see docs/rl.md"))
     parser.add_argument("--no-progress", dest="no_progress", action="store_true", help="plain per-step lines instead of tqdm")
+
+
+def _choices(name: str):
+    from mismatch_lab.corrections.registry import CORRECTIONS, OBJECTIVES
+
+    return {"loss": list(OBJECTIVES), "correction": list(CORRECTIONS)}.get(name)
 
 
 def load_config(args) -> TrainConfig:
@@ -100,7 +116,8 @@ def run(args) -> int:
     finally:
         if pbar is not None:
             pbar.close()
-    print(f"\nrun {run_id} ({cfg.loss}, {cfg.rollout_dtype} rollout / {cfg.trainer_dtype} trainer) -> {cfg.db}")
+    method = cfg.loss if cfg.correction == "none" else f"{cfg.loss} + {cfg.correction}"
+    print(f"\nrun {run_id} ({method}, {cfg.rollout_dtype} rollout / {cfg.trainer_dtype} trainer) -> {cfg.db}")
     if history:
         first, last = history[0][1], history[-1][1]
         print(f"steps {history[0][0]}..{history[-1][0]} this invocation, {time.perf_counter() - t_start:.0f} s")

@@ -45,7 +45,10 @@ from mismatch_lab.errors import UserError
 
 # LossConfig fields exposed on TrainConfig under the same names (one flat config for study files and flags)
 LOSS_FIELDS = ("eps_low", "eps_high", "delta", "is_cap", "tis_cap", "cispo_eps_low", "cispo_eps_high",
-               "aggregation", "constant_norm", "anchor", "topk")
+               "aggregation", "constant_norm", "anchor", "topk", "gspo_eps_low", "gspo_eps_high", "gmpo_eps",
+               "correction")
+# fields added after runs were stored: left out of the run id at their default, so stored runs keep their ids
+_IN_RUN_ID_UNLESS_DEFAULT = ("gspo_eps_low", "gspo_eps_high", "gmpo_eps", "correction", "correction_args")
 # fields that do not change what a run computes: excluded from the run id, so `--steps 20` extends a run of 10
 _NOT_IN_RUN_ID = ("steps", "db", "out", "checkpoint_every", "study", "kv_cache_mb")
 
@@ -55,7 +58,9 @@ class TrainConfig:
     """What `mismatch-lab train` does; study file keys ([train] table) and flags use these names."""
 
     model: str = "default"  # 'default' (embedded SmolLM2-135M-Instruct) or an HF checkpoint directory
-    loss: str = "dppo_binary_tv"  # one of mismatch_lab.rl.losses.OBJECTIVES
+    loss: str = "dppo_binary_tv"  # a base objective of mismatch_lab.corrections.registry.OBJECTIVES
+    correction: str = "none"  # a rollout correction of mismatch_lab.corrections.registry.CORRECTIONS
+    correction_args: str = ""  # overrides of the correction's thresholds, 'name=value,name=value' (e.g. 'cap=3')
     task: str = "arithmetic"
     split: str = "sanity"
     prompts_per_step: int = 4
@@ -88,17 +93,34 @@ class TrainConfig:
     constant_norm: float | None = None
     anchor: str = "rollout"
     topk: int = 20
+    gspo_eps_low: float = 3e-4
+    gspo_eps_high: float = 4e-4
+    gmpo_eps: float = 0.4
 
     def loss_config(self):
         from mismatch_lab.rl.losses import LossConfig
 
         try:
-            return LossConfig(**{k: getattr(self, k) for k in LOSS_FIELDS})
+            return LossConfig(**{k: getattr(self, k) for k in LOSS_FIELDS}, correction_args=self.correction_overrides())
         except ValueError as exc:
             raise UserError(str(exc)) from exc
 
+    def correction_overrides(self) -> dict[str, float]:
+        """`correction_args` ('cap=3,low=0.5') as a dict; UserError naming the format."""
+        out = {}
+        for part in filter(None, (p.strip() for p in str(self.correction_args or "").split(","))):
+            key, sep, value = part.partition("=")
+            try:
+                out[key.strip()] = float(value)
+            except ValueError:
+                sep = ""
+            if not sep:
+                raise UserError(f"--correction-args {self.correction_args!r}: write name=value pairs, e.g. 'cap=3' "
+                                "or 'low=0.5,high=5'")
+        return out
+
     def validate(self) -> None:
-        from mismatch_lab.rl.losses import OBJECTIVES
+        from mismatch_lab.corrections.registry import OBJECTIVES
         from mismatch_lab.rl.tasks import TASKS
 
         if self.loss not in OBJECTIVES:
@@ -126,7 +148,9 @@ class TrainConfig:
         self.loss_config()
 
     def run_id(self) -> str:
-        cfg = {k: v for k, v in asdict(self).items() if k not in _NOT_IN_RUN_ID}
+        defaults = TrainConfig()
+        cfg = {k: v for k, v in asdict(self).items() if k not in _NOT_IN_RUN_ID
+               and not (k in _IN_RUN_ID_UNLESS_DEFAULT and v == getattr(defaults, k))}
         key = hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode()).hexdigest()[:10]
         return f"{self.study}-train-{self.loss}-{key}"
 
@@ -309,6 +333,7 @@ def train(cfg: TrainConfig, *, progress: bool = True, log=None) -> str:
         encode_prompts,
         sample_seed,
     )
+    from mismatch_lab.corrections.registry import OBJECTIVES
     from mismatch_lab.engines.base import TORCH_DTYPES, GenRequest, make_engine
     from mismatch_lab.models import resolve_model, weights_sha256
     from mismatch_lab.record.flat import TextLookup
@@ -326,7 +351,7 @@ def train(cfg: TrainConfig, *, progress: bool = True, log=None) -> str:
     run_id = cfg.run_id()
     ckpt_path = _checkpoint_path(cfg, run_id)
     scorer_name = f"hf:{cfg.trainer_dtype}"
-    use_topk = cfg.loss.startswith("dppo_topk")
+    use_topk = "topk" in OBJECTIVES[cfg.loss].needs
 
     writer = StoreWriter(cfg.db)
     if writer.run_status(run_id) == "complete" and max(writer.done_chunks(run_id), default=0) >= cfg.steps:

@@ -1,55 +1,60 @@
-"""Policy objectives, one entry point: `policy_loss(name, logp, logp_rollout, advantages, mask, ...) -> (loss, metrics)`.
+"""The policy loss, one entry point: `policy_loss(name, logp, logp_rollout, advantages, mask, ...) -> (loss, metrics)`.
 
 Notation (docs/design.md): μ = rollout-engine probability of the sampled token (`logp_rollout`), π = trainer
 probability of the same token (`logp`, the only input that carries a gradient), r = π/μ, A = advantage.
 The trust region is measured against an *anchor* a: μ itself (`anchor='rollout'`, the default) or the
 trainer's recomputed π_old (`anchor='old'`, the "decoupled" ablation); ρ = π/a (= r when a = μ).
 
-Every objective is one instance of DPPO's unified policy gradient (arXiv 2602.04879v3, appendix
-"Algorithmic details for stability analysis"):
+Every pair (base objective, rollout correction) of the registry (mismatch_lab/corrections, docs/corrections.md)
+is one instance of DPPO's unified policy gradient (arXiv 2602.04879v3, appendix "Algorithmic details for
+stability analysis"):
 
     loss = −Σ_{b,t} M_bt · w_bt · A_bt / N          ∇loss = −Σ M · sg(w) · A · ∇log π / N
 
-M ∈ {0, 1} keeps or masks a token, w is the (possibly clipped or truncated) importance weight, whose
-value is computed detached and whose gradient flows through log π only (w · π/sg(π)), and N comes from
-`cfg.aggregation`. With no clipping w = r, so the value is the surrogate −Σ M·r·A/N of DPPO Eq. 12.
-
-    name            M = 0 when                                           w
-    pg_is           never                                                r
-    tis             never                                                min(r, tis_cap)
-    cispo           never                                                clip(ρ, 1−ε_low^IS, 1+ε_high^IS) · a/μ
-    grpo            (A>0 and ρ>1+eps_high) or (A<0 and ρ<1−eps_low)      r
-    dppo_*          (A>0 and ρ>1 and D>δ) or (A<0 and ρ<1 and D>δ)       r
-    (all)           w is finally truncated at `is_cap` (inf = off)
-
-D is binary TV |π−a| (Eq. 13), binary KL KL(Bern(a) ‖ Bern(π)) (Eq. 14), or the top-K TV / KL over the
-anchor's top-K tokens plus one 'other' bucket (Eqs. 15-16); see `TopK`. Equation numbers follow v3 of
-arXiv 2602.04879. Metric names are documented in `METRICS` and docs/rl.md.
+with M = M_objective · M_correction and w = w_objective · u / r_c: the correction replaces the rollout ratio
+r_c = π_ref/μ the objective's weight carries by its corrected value u (π_ref = π_old when given, else π).
+The weight's value is computed detached and its gradient flows through log π only (w · π/sg(π)); N comes
+from `cfg.aggregation`; finally w is truncated at `is_cap` (inf = off). Metric names are in `METRICS`.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-OBJECTIVES = ("grpo", "cispo", "pg_is", "tis", "dppo_binary_tv", "dppo_binary_kl", "dppo_topk_tv", "dppo_topk_kl")
+from mismatch_lab.corrections import defaults as D
+from mismatch_lab.corrections.batch import Batch, seq_any
+from mismatch_lab.corrections.divergences import (  # noqa: F401 - re-exported
+    TopK,
+    binary_kl,
+    binary_tv,
+    topk_kl,
+    topk_tv,
+)
+from mismatch_lab.corrections.registry import CORRECTIONS, Method
+from mismatch_lab.corrections.registry import OBJECTIVES as _OBJECTIVES
+
+OBJECTIVES = tuple(_OBJECTIVES)
+"""Base objectives (registry order)."""
 AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "constant")
 ANCHORS = ("rollout", "old")
-# DPPO reference defaults (arXiv 2602.04879v3, sanity-test appendix): δ_TV = 0.15, δ_KL = 0.05.
-DEFAULT_DELTA = {"tv": 0.15, "kl": 0.05}
-_TRUST_REGION = ("grpo", "cispo") + tuple(n for n in OBJECTIVES if n.startswith("dppo_"))
 
 METRICS = {
     "loss/value": "the returned loss (−Σ M·w·A / N)",
     "tokens/valid/count": "response tokens (mask true)",
     "tokens/nonzero_adv/count": "response tokens with A ≠ 0",
-    "mask/all/frac": "tokens masked (grpo, dppo_*) or whose weight was clipped (cispo) or truncated (tis), over response tokens",
+    "mask/all/frac": "tokens the objective masked (grpo, gspo, gmpo, dppo_*) or whose weight it clipped (cispo) or truncated (tis), over response tokens",
     "mask/nonzero_adv/frac": "the same masked/clipped tokens with A ≠ 0, over tokens with A ≠ 0 (reference code: actor/pg_clipfrac)",
     "mask/negative_adv/frac": "masked/clipped tokens with A < 0, over tokens with A ≠ 0 (reference: actor/invalid_tr_negative_advantage)",
     "mask/positive_adv/frac": "masked/clipped tokens with A > 0, over tokens with A ≠ 0",
+    "correction/masked/frac": "response tokens the rollout correction dropped, over response tokens",
+    "correction/seqs_masked/frac": "sequences the rollout correction dropped whole, over sequences with a response token",
+    "correction/modified/frac": "tokens the correction kept with a changed weight (u ≠ r_c), over response tokens",
+    "correction/ess": "effective sample size of the correction's weights u over the tokens it keeps: (Σu)² / (n Σu²)",
+    "weight/ess": "effective sample size of the final weights w over the tokens kept by objective and correction",
     "ratio/mean": "mean of r = π/μ over response tokens (always against μ, whatever the anchor)",
     "ratio/min": "min of r over response tokens",
     "ratio/max": "max of r over response tokens",
@@ -69,9 +74,9 @@ METRICS = {
 class LossConfig:
     """Hyper-parameters of every objective; one instance per run (stored in runs.config)."""
 
-    eps_low: float = 0.2
+    eps_low: float = D.GRPO_EPS_LOW
     """grpo: a token with A < 0 is clipped when ρ < 1 − eps_low."""
-    eps_high: float = 0.2
+    eps_high: float = D.GRPO_EPS_HIGH
     """grpo: a token with A > 0 is clipped when ρ > 1 + eps_high. 0.2 is GRPO; 0.28 is DAPO's Clip-Higher
     (arXiv 2503.14476), the 'GRPO-Clip-Higher' baseline of the DPPO paper."""
     delta: float | None = None
@@ -79,11 +84,11 @@ class LossConfig:
     is_cap: float = math.inf
     """Truncates every objective's importance weight w at this value; inf = off (the DPPO reference code's
     cap of 20 is effectively off too). Set 3 with grpo + anchor='old' for the paper's MiniRL-TIS."""
-    tis_cap: float = 3.0
+    tis_cap: float = D.TIS_OBJECTIVE_CAP
     """tis: w = min(r, tis_cap). 3 is the PG-TIS cap of the DPPO sanity test."""
-    cispo_eps_low: float = 1.0
+    cispo_eps_low: float = D.CISPO_EPS_LOW
     """cispo: lower IS-weight bound 1 − cispo_eps_low. 1.0 (bound 0) means no lower bound, as MiniMax-M1 does."""
-    cispo_eps_high: float = 2.0
+    cispo_eps_high: float = D.CISPO_EPS_HIGH
     """cispo: upper IS-weight bound 1 + cispo_eps_high. 2.0 (cap 3) matches the DPPO sanity test's CISPO."""
     aggregation: str = "token-mean"
     """How the token terms become one number (the divisor N): 'token-mean' (N = response tokens in the batch,
@@ -96,6 +101,16 @@ class LossConfig:
     is needed) or 'old' (π_old, the trainer's recomputed log-probs, passed as `logp_old`: the decoupled ablation)."""
     topk: int = 20
     """dppo_topk_*: K, the number of anchor top-K tokens requested from the rollout engine (vLLM caps it at 20)."""
+    gspo_eps_low: float = D.GSPO_EPS_LOW
+    """gspo: a sequence with A < 0 is masked when s = exp(mean log ρ) < 1 − gspo_eps_low."""
+    gspo_eps_high: float = D.GSPO_EPS_HIGH
+    """gspo: a sequence with A > 0 is masked when s > 1 + gspo_eps_high."""
+    gmpo_eps: float = D.GMPO_EPS
+    """gmpo: per-token log ρ clipped at ±gmpo_eps in the advantage's direction."""
+    correction: str = "none"
+    """The rollout correction applied on top of the objective (mismatch_lab.corrections.registry.CORRECTIONS)."""
+    correction_args: Mapping[str, float] = field(default_factory=dict)
+    """Overrides of the correction's published thresholds by parameter name, e.g. {'cap': 3.0}."""
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> ValueError:
@@ -127,101 +142,26 @@ class LossConfig:
             raise bad(f"anchor={self.anchor!r} is not one of {', '.join(ANCHORS)}")
         if isinstance(self.topk, bool) or not isinstance(self.topk, int) or self.topk < 1:
             raise bad(f"topk={self.topk!r} must be a positive int (the DPPO paper uses 20)")
+        for name in ("gspo_eps_low", "gspo_eps_high", "gmpo_eps"):
+            if not getattr(self, name) > 0:
+                raise bad(f"{name}={getattr(self, name)} must be > 0")
+        if not self.gspo_eps_low < 1:
+            raise bad(f"gspo_eps_low={self.gspo_eps_low} must be < 1 (the lower bound is 1 − gspo_eps_low; GSPO uses 3e-4)")
+        if self.correction not in CORRECTIONS:
+            raise bad(f"correction={self.correction!r} is not one of {', '.join(CORRECTIONS)}")
+        try:
+            CORRECTIONS[self.correction].resolve(self.correction_args)
+        except ValueError as exc:
+            raise bad(str(exc)) from None
+
+    def objective_params(self, method: Method) -> dict[str, float]:
+        """The objective's parameters: this config's value of each (its field of the same name), the
+        method's published default where the field is None (δ: 0.15 for TV, 0.05 for KL)."""
+        return {k: default if getattr(self, k) is None else float(getattr(self, k)) for k, default in method.params.items()}
 
     def delta_for(self, name: str) -> float:
         """δ used by DPPO objective `name`: `delta` when set, else the paper default of its divergence."""
-        if self.delta is not None:
-            return self.delta
-        return DEFAULT_DELTA["kl" if name.endswith("_kl") else "tv"]
-
-
-@dataclass
-class TopK:
-    """Per-token top-K log-probs for `dppo_topk_tv` / `dppo_topk_kl` (DPPO Eqs. 15-16).
-
-    The K slots of token (b, t) are the rollout engine's top-K ids at that step with the sampled token
-    included (K or K+1 ids; pad to a common width and mark padding with `valid`). Every token outside the
-    slots falls into one 'other' bucket: p(other) = 1 − Σ_k p_k, for the anchor and for π alike.
-
-        anchor_logps  [B, T, K]  log-probs of the anchor policy at those ids: μ from the rollout engine when
-                                 cfg.anchor == 'rollout', π_old recomputed by the trainer when 'old'
-        logps         [B, T, K]  log π of the current policy at the same ids (e.g. gathered from the same
-                                 log-softmax as `logp`); detached inside, since the mask is a hard gate:
-                                 no gradient ever flows through the divergence
-        valid         [B, T, K]  bool, False on padding slots (their values are ignored); None = all valid
-    A plain dict with these keys is accepted as well.
-    """
-
-    anchor_logps: torch.Tensor
-    logps: torch.Tensor
-    valid: torch.Tensor | None = None
-
-    @classmethod
-    def coerce(cls, obj: TopK | Mapping) -> TopK:
-        if isinstance(obj, TopK):
-            return obj
-        if isinstance(obj, Mapping):
-            unknown = set(obj) - {"anchor_logps", "logps", "valid"}
-            if unknown or "anchor_logps" not in obj or "logps" not in obj:
-                raise ValueError(f"topk dict needs keys 'anchor_logps', 'logps' (optional 'valid'); got {sorted(obj)}")
-            return cls(obj["anchor_logps"], obj["logps"], obj.get("valid"))
-        raise ValueError(f"topk must be a TopK or a dict with anchor_logps/logps/valid, not {type(obj).__name__}")
-
-
-# ----------------------------------------------------------------------------------------------------
-# divergences (on detached tensors, fp32 or wider; shapes [B, T] or [B, T, K] -> [B, T])
-
-
-def _log1mexp(x: torch.Tensor) -> torch.Tensor:
-    """log(1 − exp(x)) for x <= 0, accurate at both ends (x → 0⁻ and x → −inf)."""
-    return torch.where(x > -math.log(2.0), torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
-
-
-def binary_tv(logp: torch.Tensor, logp_anchor: torch.Tensor) -> torch.Tensor:
-    """Binary TV |π − a| of the sampled token (DPPO Eq. 13); [B, T] -> [B, T]."""
-    return (logp.exp() - logp_anchor.exp()).abs()
-
-
-def binary_kl(logp: torch.Tensor, logp_anchor: torch.Tensor) -> torch.Tensor:
-    """KL(Bern(a) ‖ Bern(π)) = a log(a/π) + (1−a) log((1−a)/(1−π)) (DPPO Eq. 14), nats; 0·log 0 = 0.
-
-    Log-probs a hair above 0 (engine rounding) are read as 0, where log(1 − p) would otherwise be nan."""
-    logp, logp_anchor = logp.clamp(max=0), logp_anchor.clamp(max=0)
-    a = logp_anchor.exp()
-    head = a * (logp_anchor - logp)
-    tail = (1 - a) * (_log1mexp(logp_anchor) - _log1mexp(logp))
-    return head + torch.where(a < 1, tail, torch.zeros_like(tail))
-
-
-def _topk_parts(topk: TopK):
-    """(la, lq, p, q, p_other, q_other): slot log-probs and probabilities (0 on padding) of anchor and π,
-    and the 'other' bucket's probability for each."""
-    dt = torch.promote_types(topk.logps.dtype, torch.float32)
-    la = topk.anchor_logps.detach().to(dt)
-    lq = topk.logps.detach().to(dt)
-    p, q = la.exp(), lq.exp()
-    if topk.valid is not None:
-        zero = torch.zeros((), dtype=dt, device=p.device)
-        p, q = torch.where(topk.valid, p, zero), torch.where(topk.valid, q, zero)
-    # clamp: rounding in the engines can push Σ_k p_k a hair above 1
-    return la, lq, p, q, (1 - p.sum(-1)).clamp(min=0), (1 - q.sum(-1)).clamp(min=0)
-
-
-def topk_tv(topk: TopK) -> torch.Tensor:
-    """½ Σ_{a ∈ top-K ∪ {other}} |p_anchor(a) − p_π(a)| (DPPO Eq. 15); -> [B, T]."""
-    _, _, p, q, po, qo = _topk_parts(topk)
-    return 0.5 * ((q - p).abs().sum(-1) + (qo - po).abs())
-
-
-def topk_kl(topk: TopK) -> torch.Tensor:
-    """Σ_{a ∈ top-K ∪ {other}} p_anchor(a) log(p_anchor(a) / p_π(a)) (DPPO Eq. 16), nats; -> [B, T].
-
-    Slots use the given log-probs directly (no exp/log round trip); 0 · log 0 = 0 for empty slots/buckets."""
-    la, lq, p, _, po, qo = _topk_parts(topk)
-    zero = torch.zeros((), dtype=p.dtype, device=p.device)
-    slots = torch.where(p > 0, p * (la - lq), zero).sum(-1)
-    other = torch.where(po > 0, po * (po.log() - qo.log()), zero)
-    return slots + other
+        return self.objective_params(_OBJECTIVES[name])["delta"]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -288,90 +228,71 @@ def policy_loss(
     Returns (loss scalar tensor, metrics dict of floats named as in METRICS). The metrics describe π as
     passed in, i.e. before the optimiser step.
     """
-    if name not in OBJECTIVES:
-        raise ValueError(f"unknown objective {name!r}; choose one of {', '.join(OBJECTIVES)}")
+    objective = _objective(name)
     if not isinstance(cfg, LossConfig):
         raise ValueError(f"cfg must be a LossConfig, not {type(cfg).__name__}")  # noqa: TRY004 - one error type for bad input
     adv = _check_inputs(logp, logp_rollout, advantages, mask)
-    valid = mask
-    n_valid = int(valid.sum())
-    if n_valid == 0:
+    if not bool(mask.any()):
         raise ValueError("mask has no response tokens: every row is padding; drop empty batches before the loss")
-
     # compute in fp32 at least (bf16 log-probs are promoted); fp64 inputs stay fp64
     dt = torch.promote_types(logp.dtype, torch.float32)
     logp = logp.to(dt)
-    lp = logp.detach()
-    lmu = logp_rollout.detach().to(dt)
-    uses_anchor = name in _TRUST_REGION
-    if uses_anchor and cfg.anchor == "old":
-        if logp_old is None:
-            raise ValueError(f"cfg.anchor='old' needs logp_old (π_old recomputed by the trainer) for {name}; "
-                             "pass logp_old or use anchor='rollout'")
-        _check_same_shape("logp_old", logp_old, logp)
-        la = logp_old.detach().to(dt)
-    else:
-        la = lmu
-
-    zero = torch.zeros((), dtype=lp.dtype, device=lp.device)
-    adv = torch.where(valid, adv.detach().to(dt), zero)
-    log_r = lp - lmu
-    r = log_r.exp()
-    rho = r if la is lmu else (lp - la).exp()
-    pos, neg = adv > 0, adv < 0
-
-    divergence = None
-    if name == "pg_is":
-        weight, flagged = r, torch.zeros_like(valid)
-    elif name == "tis":
-        weight, flagged = r.clamp(max=cfg.tis_cap), r > cfg.tis_cap
-    elif name == "cispo":
-        # CISPO (MiniMax-M1, arXiv 2506.13585): sg(clip(ρ, 1−ε_low^IS, 1+ε_high^IS)) · A · ∇log π; every token
-        # keeps its gradient, only the weight is bounded. With anchor='old', a/μ corrects π_old back to μ.
-        clipped = rho.clamp(min=1 - cfg.cispo_eps_low, max=1 + cfg.cispo_eps_high)
-        weight = clipped if la is lmu else clipped * (la - lmu).exp()
-        flagged = clipped != rho
-    elif name == "grpo":
-        # PPO clip (DPPO Eq. 10; ε_high > ε_low is DAPO's Clip-Higher). min(ρA, clip(ρ)A) has zero gradient
-        # exactly where this mask is 0, so the masked surrogate has the same gradient as the clipped one.
-        weight = r
-        flagged = (pos & (rho > 1 + cfg.eps_high)) | (neg & (rho < 1 - cfg.eps_low))
-    else:
-        # DPPO (Eq. 12): mask only a token that leaves the trust region in its advantage's direction.
-        divergence = _divergence(name, lp, la, topk, cfg)
-        weight = r
-        flagged = ((pos & (rho > 1)) | (neg & (rho < 1))) & (divergence > cfg.delta_for(name))
-
+    b = _batch(objective, logp.detach(), logp_rollout, adv, mask, cfg, topk, logp_old)
+    correction = CORRECTIONS[cfg.correction]
+    obj = objective.rule(b, cfg.objective_params(objective))
+    cor = correction.rule(b, correction.resolve(cfg.correction_args))
+    zero = torch.zeros((), dtype=dt, device=logp.device)
+    # the correction replaces the rollout ratio r_c the objective's weight carries by u (factor 1 where u = r_c)
+    weight = obj.weight * torch.where(cor.weight == b.rc, 1.0, cor.weight / b.rc)
     capped = weight > cfg.is_cap
     weight = weight.clamp(max=cfg.is_cap)
-    masks_tokens = name == "grpo" or name.startswith("dppo_")
-    keep = valid & ~flagged if masks_tokens else valid
+    keep = obj.keep & cor.keep
     # zero the weight off `keep` *before* it meets the graph: an inf/nan weight on a masked or padded
     # token must not leak a nan into the gradient (0 · inf)
     weight = torch.where(keep, weight, zero)
-    w = weight * (logp - lp).exp()  # value = weight, d/dlogp = weight
-    per_token = torch.where(keep, -w * adv, zero)
-    loss = aggregate(per_token, valid, cfg, denominator=denominator)
-
-    metrics = _metrics(loss, valid, adv, flagged, capped, lp, lmu, la, r, log_r, divergence)
+    w = weight * (logp - b.lp).exp()  # value = weight, d/dlogp = weight
+    per_token = torch.where(keep, -w * b.adv, zero)
+    loss = aggregate(per_token, mask, cfg, denominator=denominator)
+    metrics = _metrics(loss, b, obj.flagged, capped, obj.divergence) | _correction_metrics(b, cor, keep, weight)
     return loss, metrics
 
 
-def _divergence(name: str, lp: torch.Tensor, la: torch.Tensor, topk, cfg: LossConfig) -> torch.Tensor:
-    if name == "dppo_binary_tv":
-        return binary_tv(lp, la)
-    if name == "dppo_binary_kl":
-        return binary_kl(lp, la)
+def _objective(name: str) -> Method:
+    if name not in _OBJECTIVES:
+        raise ValueError(f"unknown objective {name!r}; choose one of {', '.join(OBJECTIVES)}")
+    return _OBJECTIVES[name]
+
+
+def _batch(objective: Method, lp, logp_rollout, adv, mask, cfg: LossConfig, topk, logp_old) -> Batch:
+    """The rules' inputs: detached, in lp's dtype; the anchor a is π_old for anchored objectives with
+    cfg.anchor == 'old', else μ; π_ref (rollout corrections) is π_old when given, else π."""
+    lmu = logp_rollout.detach().to(lp.dtype)
+    old = None
+    if logp_old is not None:
+        _check_same_shape("logp_old", logp_old, lp)
+        old = logp_old.detach().to(lp.dtype)
+    la = lmu
+    if objective.anchored and cfg.anchor == "old":
+        if old is None:
+            raise ValueError(f"cfg.anchor='old' needs logp_old (π_old recomputed by the trainer) for {objective.name}; "
+                             "pass logp_old or use anchor='rollout'")
+        la = old
+    if "topk" in objective.needs:
+        topk = _check_topk(objective.name, topk, lp.shape, cfg)
+    adv = torch.where(mask, adv.detach().to(lp.dtype), torch.zeros((), dtype=lp.dtype, device=lp.device))
+    return Batch(lp=lp, lmu=lmu, la=la, lref=lp if old is None else old, mask=mask, adv=adv, topk=topk)
+
+
+def _check_topk(name: str, topk, shape, cfg: LossConfig) -> TopK:
     if topk is None:
         raise ValueError(f"{name} needs `topk` (TopK with anchor_logps and logps [B, T, K]); "
                          "request top-K log-probs from the rollout engine or use a dppo_binary_* objective")
     topk = TopK.coerce(topk)
-    b, t = lp.shape
-    for field in ("anchor_logps", "logps"):
-        x = getattr(topk, field)
+    b, t = shape
+    for name_, x in (("anchor_logps", topk.anchor_logps), ("logps", topk.logps)):
         if not isinstance(x, torch.Tensor) or x.dim() != 3 or tuple(x.shape[:2]) != (b, t):
-            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ValueError(f"topk.{field} must be a tensor [B, T, K] with B, T = {b}, {t}; got {shape}")
+            got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"topk.{name_} must be a tensor [B, T, K] with B, T = {b}, {t}; got {got}")
     if topk.logps.shape != topk.anchor_logps.shape:
         raise ValueError(f"topk.logps {tuple(topk.logps.shape)} and topk.anchor_logps "
                          f"{tuple(topk.anchor_logps.shape)} must have the same shape")
@@ -380,11 +301,34 @@ def _divergence(name: str, lp: torch.Tensor, la: torch.Tensor, topk, cfg: LossCo
     if topk.logps.shape[-1] > cfg.topk + 1:
         raise ValueError(f"topk tensors hold {topk.logps.shape[-1]} slots but cfg.topk={cfg.topk} allows at most "
                          f"K+1 = {cfg.topk + 1} (top-K plus the sampled token); set LossConfig.topk to match the rollout")
-    return topk_tv(topk) if name == "dppo_topk_tv" else topk_kl(topk)
+    return topk
 
 
-def _metrics(loss, valid, adv, flagged, capped, lp, lmu, la, r, log_r, divergence) -> dict[str, float]:
+def _ess(w: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """Effective sample size (Σw)² / (n Σw²) of the weights w [B, T] over the tokens `keep` holds (n of
+    them); 1 when every weight is equal, 0 when nothing is kept."""
+    wk = torch.where(keep, w, torch.zeros((), dtype=w.dtype, device=w.device))
+    return wk.sum() ** 2 / (keep.sum() * (wk * wk).sum()).clamp(min=torch.finfo(w.dtype).tiny)
+
+
+def _correction_metrics(b: Batch, cor, keep: torch.Tensor, weight: torch.Tensor) -> dict[str, float]:
+    """The rollout correction's shares and effective sample sizes (METRICS 'correction/*', 'weight/ess')."""
+    n = b.mask.sum()
+    seqs = b.mask.any(-1)
+    dropped_seq = seqs & ~seq_any(cor.keep, b.mask)
+    values = {
+        "correction/masked/frac": (b.mask & ~cor.keep).sum() / n,
+        "correction/seqs_masked/frac": dropped_seq.sum() / seqs.sum(),
+        "correction/modified/frac": (cor.keep & (cor.weight != b.rc)).sum() / n,
+        "correction/ess": _ess(cor.weight, cor.keep),
+        "weight/ess": _ess(weight, keep),
+    }
+    return dict(zip(values, torch.stack([v.to(torch.float64) for v in values.values()]).tolist()))
+
+
+def _metrics(loss, b: Batch, flagged, capped, divergence) -> dict[str, float]:
     """All metrics in one stacked tensor and a single host transfer."""
+    valid, adv, lp, lmu, la, r, log_r = b.mask, b.adv, b.lp, b.lmu, b.la, b.r, b.log_r
     f = valid.float()
     n = f.sum()
     nz = valid & (adv != 0)

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import math
 
+import corrections_reference as ref
 import pytest
 import torch
 
+from mismatch_lab.corrections.registry import CORRECTIONS
+from mismatch_lab.corrections.registry import OBJECTIVES as REGISTRY
 from mismatch_lab.rl.losses import (
     AGGREGATIONS,
     METRICS,
@@ -23,81 +26,20 @@ from mismatch_lab.rl.losses import (
 )
 
 DT = torch.float64
-TRUST_REGION = {"grpo", "cispo", "dppo_binary_tv", "dppo_binary_kl", "dppo_topk_tv", "dppo_topk_kl"}
+TRUST_REGION = ref.TOKEN_OBJECTIVES_ANCHORED
 
 
 # ---------------------------------------------------------------------------------------------------
 # naive references: one token at a time, floats only
 
 
-def naive_topk_divergence(kind, anchor_lps, lps, valid):
-    p = [math.exp(x) for x, v in zip(anchor_lps, valid) if v]
-    q = [math.exp(x) for x, v in zip(lps, valid) if v]
-    p.append(max(0.0, 1 - sum(p)))
-    q.append(max(0.0, 1 - sum(q)))
-    if kind == "tv":
-        return 0.5 * sum(abs(a - b) for a, b in zip(p, q))
-    return sum(a * math.log(a / b) for a, b in zip(p, q) if a > 0)
-
-
-def naive_divergence(name, lp, la, topk_row):
-    pi, a = math.exp(lp), math.exp(la)
-    if name == "dppo_binary_tv":
-        return abs(pi - a)
-    if name == "dppo_binary_kl":
-        tail = 0.0 if a == 1 else (1 - a) * math.log((1 - a) / (1 - pi))
-        return a * math.log(a / pi) + tail
-    return naive_topk_divergence(name.rsplit("_", 1)[1], *topk_row)
-
-
 def naive_policy_loss(name, lp, lmu, adv, mask, cfg, lold=None, topk=None):
-    """Returns (loss, dloss/dlogp [B][T], flagged [B][T]) computed token by token."""
-    B, T = len(lp), len(lp[0])
-    coef = [[0.0] * T for _ in range(B)]
-    flagged = [[False] * T for _ in range(B)]
-    for b in range(B):
-        for t in range(T):
-            if not mask[b][t]:
-                continue
-            A = adv[b][t]
-            la = lold[b][t] if (cfg.anchor == "old" and name in TRUST_REGION) else lmu[b][t]
-            r = math.exp(lp[b][t] - lmu[b][t])
-            rho = math.exp(lp[b][t] - la)
-            keep = True
-            if name == "pg_is":
-                w = r
-            elif name == "tis":
-                w = min(r, cfg.tis_cap)
-                flagged[b][t] = r > cfg.tis_cap
-            elif name == "cispo":
-                c = min(max(rho, 1 - cfg.cispo_eps_low), 1 + cfg.cispo_eps_high)
-                flagged[b][t] = c != rho
-                w = c * math.exp(la - lmu[b][t])
-            elif name == "grpo":
-                w = r
-                flagged[b][t] = (A > 0 and rho > 1 + cfg.eps_high) or (A < 0 and rho < 1 - cfg.eps_low)
-                keep = not flagged[b][t]
-            else:
-                row = None
-                if topk is not None:
-                    row = (topk["anchor_logps"][b][t], topk["logps"][b][t], topk["valid"][b][t])
-                d = naive_divergence(name, lp[b][t], la, row)
-                w = r
-                flagged[b][t] = ((A > 0 and rho > 1) or (A < 0 and rho < 1)) and d > cfg.delta_for(name)
-                keep = not flagged[b][t]
-            w = min(w, cfg.is_cap)
-            if keep:
-                coef[b][t] = -w * A
-    lengths = [sum(1 for t in range(T) if mask[b][t]) for b in range(B)]
-    if cfg.aggregation == "seq-mean-token-mean":
-        nseq = sum(1 for n in lengths if n)
-        scale = [[1.0 / (max(lengths[b], 1) * nseq)] * T for b in range(B)]
-    else:
-        den = {"token-mean": sum(lengths), "seq-mean-token-sum": sum(1 for n in lengths if n),
-               "constant": B * (cfg.constant_norm or 1)}[cfg.aggregation]
-        scale = [[1.0 / den] * T for _ in range(B)]
-    grad = [[coef[b][t] * scale[b][t] for t in range(T)] for b in range(B)]
-    loss = sum(grad[b][t] for b in range(B) for t in range(T))
+    """Returns (loss, dloss/dlogp [B][T], flagged [B][T]) computed sequence by sequence, token by token."""
+    po = cfg.objective_params(REGISTRY[name])
+    pc = CORRECTIONS[cfg.correction].resolve(cfg.correction_args)
+    keep, weight, flagged = ref.decisions(name, cfg.correction, po, pc, lp, lmu, adv, mask, anchor=cfg.anchor,
+                                          lold=lold, topk=topk)
+    loss, grad = ref.loss_and_grad(keep, weight, adv, mask, cfg.aggregation, cfg.constant_norm, cfg.is_cap)
     return loss, grad, flagged
 
 
@@ -377,7 +319,7 @@ def test_gradient_is_exactly_zero_on_masked_and_padded_tokens_even_with_garbage_
     _, _, flagged = naive_policy_loss(name, lp.tolist(), lmu.tolist(), adv.nan_to_num().tolist(), mask.tolist(), cfg,
                                       topk=as_lists(topk))
     flagged = torch.tensor(flagged)
-    masked = flagged & mask if name in ("grpo",) or name.startswith("dppo_") else torch.zeros_like(mask)
+    masked = flagged & mask if name not in ("cispo", "tis", "pg_is") else torch.zeros_like(mask)  # clipped, kept
     assert (grad[masked] == 0).all()
     live = mask & ~masked & (adv != 0)
     assert (grad[live] != 0).all()
@@ -447,7 +389,7 @@ def test_metrics_match_direct_computations_and_are_documented():
         _, metrics = policy_loss(name, lp, lmu, adv, mask, cfg=LossConfig(), topk=topk)
         assert set(metrics) <= set(METRICS)
         assert all(isinstance(v, float) for v in metrics.values())
-        assert ("trust_region/divergence/mean" in metrics) == name.startswith("dppo_")
+        assert ("trust_region/divergence/mean" in metrics) == ("delta" in REGISTRY[name].params)
     _, metrics = policy_loss("grpo", lp, lmu, adv, mask, cfg=LossConfig(), topk=topk)
     pairs = [(math.exp(a), math.exp(b)) for a, b, m in zip(lp.flatten().tolist(), lmu.flatten().tolist(),
                                                             mask.flatten().tolist()) if m]
