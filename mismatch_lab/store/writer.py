@@ -11,38 +11,46 @@ DuckDB allows one writing process per file; a second writer gets `StoreBusyError
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
 import pyarrow as pa
 
 from mismatch_lab.errors import StoreBusyError, UserError
-from mismatch_lab.store.schema import create_schema
+from mismatch_lab.store.schema import COLUMNS, create_schema
 
-# Arrow types matching the DDL, so DuckDB inserts without casting surprises (lists stay lists).
-RUN_TYPES = {
-    "run_id": pa.string(), "study": pa.string(), "kind": pa.string(), "created_at": pa.timestamp("us"),
-    "status": pa.string(), "model": pa.string(), "weights_sha256": pa.string(), "engine": pa.string(),
-    "engine_dtype": pa.string(), "device": pa.string(), "versions": pa.string(), "config": pa.string(),
+# Arrow types of the DuckDB types of `schema.COLUMNS`, so DuckDB inserts without casting surprises (lists stay lists).
+ARROW_OF_SQL = {
+    "VARCHAR": pa.string(), "JSON": pa.string(), "BIGINT": pa.int64(), "INTEGER": pa.int32(), "DOUBLE": pa.float64(),
+    "BOOLEAN": pa.bool_(), "TIMESTAMP": pa.timestamp("us"), "INTEGER[]": pa.list_(pa.int32()),
+    "DOUBLE[]": pa.list_(pa.float64()),
 }
-SEQUENCE_TYPES = {
-    "run_id": pa.string(), "seq_id": pa.int64(), "prompt_id": pa.string(), "sample_idx": pa.int32(),
-    "step": pa.int32(), "response_text": pa.string(), "response_len": pa.int32(), "finish_reason": pa.string(),
-    "reward": pa.float64(), "advantage": pa.float64(), "prompt_len": pa.int32(),
-}
-TOKEN_TYPES = {
-    "run_id": pa.string(), "seq_id": pa.int64(), "pos": pa.int32(), "token_id": pa.int32(),
-    "token_text": pa.string(), "category": pa.string(), "logp_rollout": pa.float64(),
-    "topk_ids_rollout": pa.list_(pa.int32()), "topk_logps_rollout": pa.list_(pa.float64()),
-}
-SCORE_TYPES = {
-    "run_id": pa.string(), "seq_id": pa.int64(), "pos": pa.int32(), "scorer": pa.string(), "logp": pa.float64(),
-    "entropy": pa.float64(), "topk_ids": pa.list_(pa.int32()), "topk_logps": pa.list_(pa.float64()),
-    "tv_exact_vs_ref": pa.float64(), "kl_exact_vs_ref": pa.float64(), "nonfinite": pa.bool_(),
-    "logps_at_rollout_topk": pa.list_(pa.float64()), "logps_at_ref_topk": pa.list_(pa.float64()),
-}
-METRIC_TYPES = {"run_id": pa.string(), "step": pa.int32(), "name": pa.string(), "value": pa.float64()}
+
+
+def arrow_types(table: str) -> dict[str, pa.DataType]:
+    """column -> Arrow type of a contract table, in contract order (from `schema.COLUMNS`)."""
+    return {name: ARROW_OF_SQL[typ] for name, typ, _ in COLUMNS[table]}
+
+
+RUN_TYPES = arrow_types("runs")
+SEQUENCE_TYPES = arrow_types("sequences")
+TOKEN_TYPES = arrow_types("tokens")
+SCORE_TYPES = arrow_types("scores")
+METRIC_TYPES = arrow_types("train_metrics")
 TABLE_TYPES = {"sequences": SEQUENCE_TYPES, "tokens": TOKEN_TYPES, "scores": SCORE_TYPES}
+
+
+@contextmanager
+def transaction(con):
+    """`with transaction(con):` BEGIN ... COMMIT, or ROLLBACK when the block raises (also on Ctrl-C)."""
+    con.execute("BEGIN TRANSACTION")
+    try:
+        yield con
+    except BaseException:
+        con.execute("ROLLBACK")
+        raise
+    con.execute("COMMIT")
 
 
 def to_arrow(table: str, columns: dict[str, list]) -> pa.Table:
@@ -111,8 +119,7 @@ class StoreWriter:
                     seconds: float, skipped: list[tuple[str, str]] = (), metrics: list[tuple] = ()) -> None:
         """Insert one unit of work atomically; `metrics` are (step, name, value) rows for train_metrics."""
         con = self.con
-        con.execute("BEGIN TRANSACTION")
-        try:
+        with transaction(con):
             for name, tbl in (("sequences", sequences), ("tokens", tokens), ("scores", scores)):
                 if tbl.num_rows:
                     con.register("_chunk_tbl", tbl)
@@ -128,10 +135,6 @@ class StoreWriter:
                 [run_id, chunk, sequences.num_rows, tokens.num_rows, seconds,
                  datetime.now(timezone.utc).replace(tzinfo=None)],
             )
-            con.execute("COMMIT")
-        except BaseException:
-            con.execute("ROLLBACK")
-            raise
 
     def close(self) -> None:
         self.con.close()

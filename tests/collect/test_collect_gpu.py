@@ -34,13 +34,23 @@ def test_cuda_scorer_fp32_equals_the_cpu_scorer_and_lower_precisions_move_away(m
     items = _items()
     cpu = HFScorer(model_dir, ["fp32"], device="cpu", top_k=5).score(items)["hf:fp32"]
     gpu = HFScorer(model_dir, ["fp32", "bf16", "fp16"], device="cuda", top_k=5, chunk_rows=64).score(items)
-    flat = lambda res: torch.tensor([x for s in res for x in s.logp], dtype=torch.float64)
     # TF32 is off by default for matmuls in torch, so fp32 on the GPU matches the CPU closely
-    assert_close(flat(gpu["hf:fp32"]), flat(cpu), atol=2e-4, rtol=1e-4)
-    tv = {d: torch.tensor([x for s in gpu[f"hf:{d}"] for x in s.tv_exact_vs_ref]) for d in ("fp32", "bf16", "fp16")}
+    assert_close(torch.from_numpy(gpu["hf:fp32"].logp), torch.from_numpy(cpu.logp), atol=2e-4, rtol=1e-4)
+    tv = {d: torch.from_numpy(gpu[f"hf:{d}"].tv_exact_vs_ref) for d in ("fp32", "bf16", "fp16")}
     assert float(tv["fp32"].abs().max()) == 0.0
     assert float(tv["bf16"].mean()) > float(tv["fp16"].mean()) > 0.0  # 7-bit vs 10-bit mantissa
-    assert not any(x for d in ("bf16", "fp16") for s in gpu[f"hf:{d}"] for x in s.nonfinite)
+    assert not any(gpu[f"hf:{d}"].nonfinite.any() for d in ("bf16", "fp16"))
+
+
+def test_cuda_scorer_in_turn_gives_the_resident_numbers(model_dir):
+    from mismatch_lab.scoring import HFScorer
+
+    items = _items()
+    kw = {"device": "cuda", "top_k": 5, "chunk_rows": 64}
+    resident = HFScorer(model_dir, ["fp32", "bf16"], **kw).score(items)
+    in_turn = HFScorer(model_dir, ["fp32", "bf16"], placement="in_turn", **kw).score(items)
+    for name in resident:
+        assert torch.equal(torch.from_numpy(resident[name].logp), torch.from_numpy(in_turn[name].logp))
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
@@ -54,8 +64,8 @@ def test_cuda_hf_engine_mu_agrees_with_the_teacher_forced_scorer_at_the_same_dty
     assert all(s.token_ids for s in samples)
     res = HFScorer(model_dir, [dtype], device="cuda", top_k=5).score(
         [ScoreItem(r.prompt_ids, s.token_ids) for r, s in zip(reqs, samples)])[f"hf:{dtype}"]
-    mu = torch.tensor([x for s in samples for x in s.logps])
-    pi = torch.tensor([x for r in res for x in r.logp])
+    mu = torch.tensor([x for s in samples for x in s.logps], dtype=torch.float64)
+    pi = torch.from_numpy(res.logp)
     # same weights, same dtype; decode (KV cache) vs one prefill differ only by kernel order
     bound = {"fp32": 1e-4, "bf16": 0.1, "fp16": 0.02}[dtype]
     assert float((pi - mu).abs().mean()) < bound

@@ -1,0 +1,140 @@
+"""What a collect run does: `CollectConfig`, read from defaults < study file < flags, and the flags."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+from mismatch_lab import DTYPES
+from mismatch_lab.errors import UserError
+from mismatch_lab.scoring import SCORE_BATCH_TOKENS, SCORE_CHUNK_ROWS
+from mismatch_lab.studyfile import apply_study
+
+CHUNK_TOKENS = {"cpu": 4096, "cuda": 262144}  # token budget of a chunk by device kind (--chunk-tokens 0)
+RUN_LOCAL = ("db", "device", "rollout_dtypes", "gpu_memory_utilization", "memory_plan")
+"""Fields that do not determine a run's rows: left out of the run id (adding a rollout dtype to a study
+later does not redo the runs already there)."""
+
+
+@dataclass
+class CollectConfig:
+    """What a collect run does; the study file and the flags use the same names ('-' or '_')."""
+
+    model: str = "default"  # 'default' (embedded SmolLM2-135M-Instruct), an HF directory, or a hub id
+    prompts: str = "data/default_prompts.jsonl"  # JSON Lines {"id", "prompt", optional "answer"}
+    samples: int = 4  # sampled responses per prompt
+    max_tokens: int = 64  # generated tokens per response at most
+    engine: str = "vllm"  # rollout engine: vllm | hf
+    rollout_dtypes: list = field(default_factory=lambda: ["bf16", "fp16", "fp32"])
+    scorer_dtypes: list = field(default_factory=lambda: ["bf16", "fp16", "fp32"])  # plus 'vllm:<dtype>'
+    top_k: int = 20  # top-K recorded per token (sampled token included); 0 = none
+    seed: int = 0
+    db: str = "mismatch_lab.duckdb"
+    study: str = "adhoc"  # name stored in runs.study
+    chunk_tokens: int = 0  # tokens (samples x (prompt + max_tokens)) per committed chunk; 0 = by device (CHUNK_TOKENS)
+    chunk_prompts: int = 0  # prompts per committed chunk instead of a token budget (fixed batch composition); 0 = off
+    gen_batch: int = 0  # requests per engine call; 0 = the whole chunk (batch invariance studies vary it)
+    score_chunk_rows: int = SCORE_CHUNK_ROWS  # rows per chunk of the scorer's vocabulary projection
+    score_batch_tokens: int = SCORE_BATCH_TOKENS  # padded tokens per scorer forward (trainer-side batch composition)
+    max_model_len: int = 2048  # context used by the engines (capped at the model's own)
+    device: str = ""  # '' = cuda if available else cpu
+    gpu_memory_utilization: float = 0.0  # vLLM's share of each GPU; 0 = from the memory plan
+    tensor_parallel_size: int = 1  # vLLM's own tensor parallelism
+    data_parallel_size: int = 1  # vLLM's own data parallelism
+    memory_plan: str = "check"  # check: refuse a plan that cannot fit | off: print nothing, check nothing
+    trust_remote_code: bool = False
+
+    def validate(self) -> None:
+        if self.engine not in ("vllm", "hf"):
+            raise UserError(f"--engine {self.engine}: use 'vllm' or 'hf'")
+        for d in self.rollout_dtypes:
+            if d not in DTYPES:
+                raise UserError(f"unknown rollout dtype {d!r}; use a subset of bf16,fp16,fp32")
+        from mismatch_lab.scoring import parse_scorers
+
+        try:
+            parse_scorers(self.scorer_dtypes)
+        except ValueError as exc:
+            raise UserError(str(exc)) from exc
+        for name in ("samples", "max_tokens", "score_chunk_rows", "score_batch_tokens", "max_model_len",
+                     "tensor_parallel_size", "data_parallel_size"):
+            if int(getattr(self, name)) < 1:
+                raise UserError(f"--{name.replace('_', '-')} must be at least 1")
+        for name in ("chunk_tokens", "chunk_prompts", "gen_batch"):
+            if int(getattr(self, name)) < 0:
+                raise UserError(f"--{name.replace('_', '-')} must be 0 (automatic) or more")
+        if not 0.0 <= self.gpu_memory_utilization < 1.0:
+            raise UserError("--gpu-memory-utilization must be in (0, 1), or 0 for the memory plan's value")
+        if self.memory_plan not in ("check", "off"):
+            raise UserError("--memory-plan: use 'check' or 'off'")
+        if self.top_k < 0 or self.top_k > 20:
+            raise UserError("--top-k must be between 0 and 20 (vLLM caps returned logprobs at 20)")
+        if not self.rollout_dtypes:
+            raise UserError("--rollout-dtypes is empty; give at least one of bf16,fp16,fp32")
+
+    def chunk_budget(self, device: str) -> int:
+        """Tokens per committed chunk on `device` (explicit, or the device kind's default)."""
+        return self.chunk_tokens or CHUNK_TOKENS["cuda" if device.startswith("cuda") else "cpu"]
+
+
+INTS = ("samples", "max_tokens", "top_k", "seed", "chunk_tokens", "chunk_prompts", "gen_batch", "score_chunk_rows",
+        "score_batch_tokens", "max_model_len", "tensor_parallel_size", "data_parallel_size")
+
+
+def _split_list(v):
+    if isinstance(v, str):
+        return [x.strip() for x in v.split(",") if x.strip()]
+    return list(v)
+
+
+def load_config(args) -> CollectConfig:
+    """Defaults < study file < command-line flags. Relative paths in a study file are relative to it."""
+    cfg = CollectConfig()
+    names = {f.name for f in fields(CollectConfig)}
+    if args.study:
+        apply_study(cfg, args.study, "collect", names, path_keys=("prompts", "db"))
+    for k in names - {"study"}:  # --study is the study file; the study's name is its folder's (apply_study)
+        v = getattr(args, k, None)
+        if v is not None:
+            setattr(cfg, k, v)
+    cfg.rollout_dtypes = _split_list(cfg.rollout_dtypes)
+    cfg.scorer_dtypes = _split_list(cfg.scorer_dtypes)
+    for k, cast in [(k, int) for k in INTS] + [("gpu_memory_utilization", float)]:
+        try:
+            setattr(cfg, k, cast(getattr(cfg, k)))
+        except (TypeError, ValueError) as exc:
+            raise UserError(f"{k} must be a number, got {getattr(cfg, k)!r}") from exc
+    cfg.validate()
+    return cfg
+
+
+def add_arguments(parser) -> None:
+    a = parser.add_argument
+    a("--study", help="studies/<name>/study.toml (flags below override its values)")
+    a("--model", help="'default' (embedded SmolLM2-135M-Instruct), an HF checkpoint dir, or a hub id")
+    a("--prompts", help="JSON Lines file of {\"id\", \"prompt\", optional \"answer\"}")
+    a("--samples", type=int, help="sampled responses per prompt (default 4)")
+    a("--max-tokens", dest="max_tokens", type=int, help="max generated tokens per response (default 64)")
+    a("--engine", choices=["vllm", "hf"], help="rollout engine (default vllm)")
+    a("--rollout-dtypes", dest="rollout_dtypes", help="comma list of bf16,fp16,fp32")
+    a("--scorer-dtypes", dest="scorer_dtypes",
+      help="comma list of bf16,fp16,fp32 (HF trainer) and vllm:<dtype> (vLLM prefill)")
+    a("--top-k", dest="top_k", type=int, help="top-K recorded per token, 0..20 (default 20)")
+    a("--seed", type=int)
+    a("--db", help="DuckDB file to write (default: studies/<name>/<name>.duckdb)")
+    a("--chunk-tokens", dest="chunk_tokens", type=int,
+      help=f"tokens per committed chunk (default {CHUNK_TOKENS['cpu']} on CPU, {CHUNK_TOKENS['cuda']} on GPU)")
+    a("--chunk-prompts", dest="chunk_prompts", type=int, help="prompts per committed chunk instead of --chunk-tokens")
+    a("--gen-batch", dest="gen_batch", type=int, help="requests per engine call (default: whole chunk)")
+    a("--score-chunk-rows", dest="score_chunk_rows", type=int, help=f"scorer rows per vocab chunk ({SCORE_CHUNK_ROWS})")
+    a("--score-batch-tokens", dest="score_batch_tokens", type=int,
+      help=f"padded tokens per scorer forward ({SCORE_BATCH_TOKENS}; 1 = one sequence per forward)")
+    a("--max-model-len", dest="max_model_len", type=int, help="engine context length (default 2048)")
+    a("--device", help="cpu | cuda | cuda:N (default: cuda when available)")
+    a("--gpu-memory-utilization", dest="gpu_memory_utilization", type=float,
+      help="vLLM's share of each GPU (default: computed by the memory plan)")
+    a("--tensor-parallel-size", dest="tensor_parallel_size", type=int, help="vLLM tensor parallelism (default 1)")
+    a("--data-parallel-size", dest="data_parallel_size", type=int, help="vLLM data parallelism (default 1)")
+    a("--memory-plan", dest="memory_plan", choices=["check", "off"], help="check (default) or off")
+    a("--trust-remote-code", dest="trust_remote_code", action="store_true", default=None)
+    a("--verbose", action="store_true", help="show the engines' own logs and loading bars")
+    a("--no-progress", dest="no_progress", action="store_true")
