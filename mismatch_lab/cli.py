@@ -33,6 +33,7 @@ SUBCOMMANDS = {
     "export": ("mismatch_lab.store.parquet", "export a DuckDB store to compact Parquet (zstd)"),
     "runs": ("mismatch_lab.store.runs_command", "list the runs of a DuckDB store, or drop one with all its rows"),
     "import": ("mismatch_lab.importers.command", "import prime-rl / slime / JSON-lines dumps into a run store"),
+    "doctor": ("mismatch_lab.doctor.command", "verdicts on each rollout/trainer pair against published bands; a CI gate"),
 }
 
 

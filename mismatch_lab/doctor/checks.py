@@ -1,0 +1,118 @@
+"""The checks of `mismatch-lab doctor`: each one declared once, with its band, source, gates and the
+measurement column it reads (measure.py defines every column and its denominator; docs/doctor.md lists
+them all). `run_checks` turns a store's measurements into one row per (check, pair), judged by
+`verdicts.judge`; a check whose measurement is empty is listed as not measured, with the run that would
+provide it.
+
+Gates (`--gate NAME`) are the union of the checks' `gates`: a gate fails when one of its checks fails.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pandas as pd
+
+from mismatch_lab.doctor import bands as B
+from mismatch_lab.doctor.measure import Measurements
+from mismatch_lab.doctor.verdicts import judge
+
+
+@dataclass(frozen=True)
+class Check:
+    """One check: `column` of measurement `measure` (a row per pair), judged by `band` (on `judged`
+    instead where the judged number is not the value shown, e.g. a slope judged on its CI's low end)."""
+
+    name: str
+    title: str
+    band: B.Band
+    measure: str
+    column: str
+    gates: tuple[str, ...] = ()
+    judged: str | None = None
+    needs: str = ""  # what run provides the data, said when the store lacks it
+
+
+PAIR_NEEDS = "a store with scored tokens: `mismatch-lab doctor --model M` or `mismatch-lab collect`"
+STEP_NEEDS = ("a run over at least 3 training steps (`mismatch-lab train`, the Recorder, or "
+              "`mismatch-lab import`)")
+BATCH_NEEDS = ("collect runs of one rollout at two generation batch sizes: `mismatch-lab collect --study S "
+               "--gen-batch 1` and `--gen-batch 8` into the same store (studies/batch-invariance/study.toml)")
+
+CHECKS: tuple[Check, ...] = (
+    Check("abs_dp_mean", "mean |π − μ| of the sampled token", B.ABS_DP, "pairs", "abs_dp_mean", ("verl",),
+          needs=PAIR_NEEDS),
+    Check("k3_kl", "mean k3 = mean(r − log r − 1)", B.K3_KL, "pairs", "kl_k3", ("prime-rl",), needs=PAIR_NEEDS),
+    Check("seq_abs_dlogp", "mean over sequences of the sequence's mean |log π − log μ|", B.SEQ_ABS_DLOGP, "pairs",
+          "seq_abs_dlogp_mean", ("slime",), needs=PAIR_NEEDS),
+    Check("bitwise", "share of (token, scorer) rows with log π != log μ", B.BITWISE_EQUAL, "pairs", "frac_unequal",
+          ("bitwise",), needs=PAIR_NEEDS),
+    Check("is_weight_mean", "mean token IS weight r", B.IS_WEIGHT_MEAN, "pairs", "r_mean", needs=PAIR_NEEDS),
+    Check("seq_is_weight_mean", "mean sequence IS weight exp(Σ log r)", B.IS_WEIGHT_MEAN, "pairs", "seq_is_mean",
+          needs=PAIR_NEEDS),
+    Check("ess", "token ESS (Σr)² / (n Σr²)", B.ESS, "pairs", "ess", needs=PAIR_NEEDS),
+    Check("chi2", "token χ² = mean(r²) − 1", B.CHI2, "pairs", "chi2", needs=PAIR_NEEDS),
+    Check("k1_abs", "|mean k1| = |mean(log μ − log π)|", B.K1_ABS, "pairs", "kl_k1_abs", needs=PAIR_NEEDS),
+    Check("seq_product_out", "share of sequences with exp(Σ log r) outside [0.5, 2]", B.SEQ_PRODUCT_SHARE, "pairs",
+          "seq_product_out", needs=PAIR_NEEDS),
+    Check("nonfinite", "non-finite (token, scorer) rows", B.NONFINITE, "pairs", "n_nonfinite", needs=PAIR_NEEDS),
+    Check("skipped_prompts", "prompts skipped (longer than the context)", B.SKIPPED, "skipped", "n_skipped",
+          needs=PAIR_NEEDS),
+    Check("growth", "OLS slope of the per-step mean |π − μ| (per step)", B.GROWTH, "steps", "slope",
+          judged="ci_low", needs=STEP_NEEDS),
+    Check("batch_tokens", "share of sequences not token-identical across generation batch sizes",
+          B.BATCH_VARIANCE, "batch", "frac_differ", ("bitwise",), needs=BATCH_NEEDS),
+    Check("batch_logp", "mean |Δ log μ| across generation batch sizes (shared prefix)", B.BATCH_VARIANCE, "batch",
+          "abs_dlogp_mean", ("bitwise",), needs=BATCH_NEEDS),
+)
+BY_NAME = {c.name: c for c in CHECKS}
+GATES = tuple(sorted({g for c in CHECKS for g in c.gates}))
+"""The gate names `--gate` accepts, derived from the registry."""
+
+
+def _label(row) -> str:
+    return f"{row['rollout']}/{row['scorer']}" if isinstance(row.get("scorer"), str) else str(row["rollout"])
+
+
+def _detail(check: Check, row) -> str:
+    """What stands behind the number, per measurement (counts, intervals, the compared batch sizes)."""
+    return DETAILS[check.measure](row)
+
+
+DETAILS = {
+    "pairs": lambda r: f"n = {int(r['n_finite']):,} finite rows, {int(r['seq_n']):,} sequences",
+    "skipped": lambda r: "",
+    "steps": lambda r: (f"95 % CI [{r['ci_low']:.3g}, {r['ci_high']:.3g}] over {int(r['n_steps'])} steps; "
+                        f"first {int(r['k'])} steps {r['first_mean']:.3g} → last {int(r['k'])} {r['last_mean']:.3g}"),
+    "batch": lambda r: (f"batch {int(r['b0'])} vs {int(r['batch'])}: {int(r['n_seq'])} sequences, "
+                        f"{int(r['n_tok'])} prefix tokens"),
+}
+
+
+def check_rows(check: Check, table: pd.DataFrame) -> list[dict]:
+    """One row per pair of `table` whose value is a number: the judged check (module doc)."""
+    out = []
+    for row in table.to_dict("records"):
+        value = row.get(check.column)
+        judged = row.get(check.judged or check.column)
+        if value is None or judged is None or (isinstance(judged, float) and math.isnan(judged)):
+            continue
+        out.append({
+            "pair": _label(row), "run_id": row.get("run_id") if check.measure == "steps" else None,
+            "check": check.name, "title": check.title, "value": float(value), "band": check.band.text,
+            "source": check.band.source, "metric": check.band.metric, "verdict": judge(judged, check.band),
+            "gates": list(check.gates), "detail": _detail(check, row),
+        })
+    return out
+
+
+def run_checks(m: Measurements, names: tuple[str, ...] | None = None) -> tuple[list[dict], list[dict]]:
+    """(check rows, not measured): every check of the registry (or `names`) on the store of `m`."""
+    rows, missing = [], []
+    for check in CHECKS if names is None else [BY_NAME[n] for n in names]:
+        found = check_rows(check, m.get(check.measure))
+        rows += found
+        if not found:
+            missing.append({"check": check.name, "title": check.title, "needs": check.needs})
+    return rows, missing

@@ -1,0 +1,155 @@
+"""What `doctor` measures, as DataFrames from SQL over the store. Each measurement runs at most once per
+`Measurements` object; the checks (checks.py) read their columns.
+
+The token-level numbers are the analyses' own (`precision.precision_table`, `steps.step_series`, both over
+one shared `rows.Rows` row set); the per-sequence numbers are one GROUP BY over the same rollout row set
+(`relations.rollout_base` with `definitions.token_metrics_sql`), so every definition is the analyses':
+
+    pairs    one row per (rollout, scorer): n_tokens, n_nonfinite, n_finite, abs_dp_mean, kl_k3, kl_k1,
+             chi2, r_mean, ess, frac_ratio_outside_clip (precision_table) and, per sequence:
+             seq_n (sequences without a non-finite row), seq_len_mean, seq_abs_dlogp_mean (mean over those
+             sequences of the sequence's mean |log π − log μ|), seq_is_mean (mean of exp(Σ log r)),
+             seq_product_out / seq_geo_out (share of them whose product ratio exp(Σ log r) / geometric mean
+             exp(mean log r) leaves [0.5, 2]), seq_k3_reject (share whose mean k3 exceeds verl's 0.01),
+             frac_unequal (share of all (token, scorer) rows, non-finite ones included, with log π != log μ
+             or a non-finite side), frac_tv_mask (share of finite rows with |π − μ| > δ_TV = 0.15)
+    steps    one row per (run_id, rollout, scorer) of the runs over steps: the OLS slope of the per-step
+             mean |π − μ| on the step with its 95 % t-interval, n_steps, first_mean / last_mean (mean of
+             the per-step values over the first / last quarter of the steps, at least one step)
+    batch    one row per (rollout, other generation batch size) where collect runs of one rollout differ
+             only in gen_batch: frac_differ (share of sequences not token-identical to the smallest batch's
+             run), abs_dlogp_mean (mean |Δ log μ| on their shared prefix), n_seq, n_tok (figure 7's SQL)
+    skipped  one row per rollout: the prompts skipped as longer than the context (skipped_prompts)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Self
+
+import duckdb
+import numpy as np
+import pandas as pd
+
+from mismatch_lab.analysis import definitions as d
+from mismatch_lab.analysis.relations import Filters, query
+from mismatch_lab.analysis.rows import Rows
+from mismatch_lab.doctor import bands as B
+from mismatch_lab.doctor.stats import slope_ci
+
+LN_LOW, LN_HIGH = math.log(B.IS_WEIGHT_LOW), math.log(B.IS_WEIGHT_HIGH)
+
+
+class Measurements:
+    """The measurements of one store (module doc), computed on first use. Use as a context manager: the
+    rollout rows are joined once into a temporary table (`Rows(materialize=True)`), dropped on exit."""
+
+    def __init__(self, con: duckdb.DuckDBPyConnection):
+        self.con = con
+        self.rows = Rows(con, Filters(), topk=False, materialize=True)
+        self._cache: dict[str, pd.DataFrame] = {}
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.rows.close()
+
+    def get(self, name: str) -> pd.DataFrame:
+        if name not in self._cache:
+            self._cache[name] = MEASUREMENTS[name](self) if self.rows.ok else pd.DataFrame()
+        return self._cache[name]
+
+
+def _sequence_sql(rel: str) -> str:
+    """Per (rollout, scorer) from per-sequence sums over the rollout row set `rel` (module doc)."""
+    return f"""
+        WITH seq AS (
+            SELECT rollout, scorer, run_id, seq_id, bool_and(finite) AS ok, count(*) AS n_rows,
+                   count(*) FILTER (WHERE NOT finite OR dlogp <> 0) AS n_unequal,
+                   count_if(btv > {d.DELTA_TV!r}) AS n_tv, count(*) FILTER (WHERE finite) AS n_fin,
+                   avg(abs(dlogp)) AS abs_dlogp, sum(dlogp) AS lr_sum, avg(k3) AS k3_mean
+            FROM ({rel}) GROUP BY ALL)
+        SELECT rollout::VARCHAR AS rollout, scorer::VARCHAR AS scorer,
+               count(*) FILTER (WHERE ok) AS seq_n,
+               avg(n_rows) FILTER (WHERE ok) AS seq_len_mean,
+               avg(abs_dlogp) FILTER (WHERE ok) AS seq_abs_dlogp_mean,
+               avg(exp(least(lr_sum, 700.0))) FILTER (WHERE ok) AS seq_is_mean,
+               avg((lr_sum < {LN_LOW!r} OR lr_sum > {LN_HIGH!r})::DOUBLE) FILTER (WHERE ok) AS seq_product_out,
+               avg((lr_sum / n_rows < {LN_LOW!r} OR lr_sum / n_rows > {LN_HIGH!r})::DOUBLE) FILTER (WHERE ok)
+                   AS seq_geo_out,
+               avg((k3_mean > {B.SEQ_K3_REJECT!r})::DOUBLE) FILTER (WHERE ok) AS seq_k3_reject,
+               sum(n_unequal) / sum(n_rows) AS frac_unequal,
+               sum(n_tv) / nullif(sum(n_fin), 0) AS frac_tv_mask
+        FROM seq GROUP BY ALL"""
+
+
+def pairs(m: Measurements) -> pd.DataFrame:
+    """One row per (rollout, scorer) (module doc)."""
+    from mismatch_lab.analysis.precision import precision_table
+
+    tokens = precision_table(m.con, _rows=m.rows)
+    if tokens.empty:
+        return tokens
+    tokens = tokens.assign(ess=tokens["r_mean"] ** 2 / (tokens["chi2"] + 1.0))  # (Σr)²/(nΣr²) = mean(r)²/mean(r²)
+    rel, params = m.rows.sql["rollout"]
+    seqs = query(m.con, _sequence_sql(rel), params)
+    keep = ["rollout", "scorer", "n_tokens", "n_nonfinite", "n_finite", "abs_dp_mean", "kl_k3", "kl_k1", "chi2",
+            "r_mean", "ess", "frac_ratio_outside_clip"]
+    out = tokens[keep].merge(seqs, on=["rollout", "scorer"], how="left")
+    return out.assign(kl_k1_abs=out["kl_k1"].abs())
+
+
+def steps(m: Measurements) -> pd.DataFrame:
+    """One row per (run_id, rollout, scorer) with at least 3 steps: the growth of mean |π − μ| (module doc)."""
+    from mismatch_lab.analysis.steps import step_series
+
+    series = step_series(m.con, _rows=m.rows)
+    out = []
+    for (run_id, rollout, scorer), g in series.groupby(["run_id", "rollout", "scorer"], sort=True):
+        g = g[g["abs_dp_mean"].notna()].sort_values("step")
+        if len(g) < 3:
+            continue
+        fit = slope_ci(g["step"], g["abs_dp_mean"])
+        k = max(1, len(g) // 4)
+        y = g["abs_dp_mean"].to_numpy(float)
+        out.append({"run_id": run_id, "rollout": rollout, "scorer": scorer, "n_steps": len(g),
+                    "slope": fit.slope, "ci_low": fit.ci_low, "ci_high": fit.ci_high,
+                    "first_mean": float(np.mean(y[:k])), "last_mean": float(np.mean(y[-k:])), "k": k})
+    return pd.DataFrame(out)
+
+
+def batch(m: Measurements) -> pd.DataFrame:
+    """Generation-batch invariance where the store measured it (module doc), with figure 7's SQL."""
+    from mismatch_lab.figures.figures import (
+        DEFAULT_SCORER_SETTING,
+        _batch_settings,
+        _rollout_batch_rows,
+    )
+
+    runs = query(m.con, f"SELECT run_id, {d.ROLLOUT_LABEL_SQL} AS rollout, config FROM runs "
+                        "WHERE kind = 'collect' ORDER BY run_id")
+    if runs.empty:
+        return pd.DataFrame()
+    parsed = [_batch_settings(c) for c in runs["config"]]
+    runs["batch"] = [b for b, _ in parsed]
+    runs["default_setting"] = [s == DEFAULT_SCORER_SETTING for _, s in parsed]  # as figure 7: default scoring first
+    runs = runs[runs["batch"].notna()].sort_values(["default_setting", "run_id"], ascending=[False, True])
+    per_batch = runs.drop_duplicates(["rollout", "batch"]).sort_values(["batch", "run_id"])
+    groups = {r: g for r, g in per_batch.groupby("rollout") if g["batch"].nunique() > 1}
+    if not groups:
+        return pd.DataFrame()
+    res = _rollout_batch_rows(m.con, groups)
+    return res.assign(frac_differ=1.0 - res["frac_identical"]) if not res.empty else res
+
+
+def skipped(m: Measurements) -> pd.DataFrame:
+    """Prompts skipped as longer than the context, per rollout (0 where none)."""
+    return query(m.con, f"""
+        SELECT {d.ROLLOUT_LABEL_SQL} AS rollout, count(DISTINCT k.run_id || '/' || k.prompt_id) AS n_skipped
+        FROM runs LEFT JOIN skipped_prompts k ON k.run_id = runs.run_id GROUP BY ALL ORDER BY rollout""")
+
+
+MEASUREMENTS = {"pairs": pairs, "steps": steps, "batch": batch, "skipped": skipped}
+
+__all__ = ["MEASUREMENTS", "Measurements"]

@@ -1,0 +1,136 @@
+"""What to change, derived from the store's own measurements (never canned text): each rule reads the
+measurements and returns advice only where the numbers support it, with the numbers behind it.
+
+    fp16            a fp16 rollout measured N× below bf16 (same engine, same or same-precision scorer)
+    sequence_ratio  the product sequence ratio leaves [0.5, 2] for X % of sequences, the geometric mean Y %
+    trust_region    PPO's ratio clip drops W % of tokens, DPPO's binary-TV mask Z %
+    growth          a run whose per-step mean |π − μ| grows significantly
+    batch           a rollout whose sequences change with the generation batch size
+    nonfinite       non-finite rows, which every mean excludes
+
+Each rule: `rule(m: Measurements) -> list[dict]` with keys `rule`, `advice`, `because` (the sentence with
+the numbers) and `numbers` (the same numbers, by name).
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from mismatch_lab.analysis import definitions as d
+from mismatch_lab.doctor import bands as B
+from mismatch_lab.doctor.measure import Measurements
+
+FP16_PAPER = "FP16 paper, arXiv 2510.26788"
+
+
+def _advice(rule: str, advice: str, because: str, **numbers) -> dict:
+    return {"rule": rule, "advice": advice, "because": because, "numbers": numbers}
+
+
+def _split(label: str) -> tuple[str, str]:
+    engine, _, dtype = str(label).partition(":")
+    return engine, dtype
+
+
+def _fp16_pairs(p: pd.DataFrame) -> tuple[pd.Series, pd.Series] | None:
+    """(bf16 pair, fp16 pair) of one rollout engine to compare: same-precision pairs (each rollout scored by
+    a trainer of its own dtype: the RL setting) first, else the same scorer (hf:fp32 first)."""
+    rows = {(r["rollout"], r["scorer"]): r for r in p.to_dict("records")}
+    engines = sorted({_split(r)[0] for r, _ in rows})
+    for eng in engines:
+        bf, fp = f"{eng}:bf16", f"{eng}:fp16"
+        for sb, sf in [("hf:bf16", "hf:fp16"), (f"{eng}:bf16", f"{eng}:fp16")]:
+            if (bf, sb) in rows and (fp, sf) in rows:
+                return pd.Series(rows[(bf, sb)]), pd.Series(rows[(fp, sf)])
+        common = sorted({s for r, s in rows if r == bf} & {s for r, s in rows if r == fp},
+                        key=lambda s: (s != d.REFERENCE_SCORER, s))
+        if common:
+            return pd.Series(rows[(bf, common[0])]), pd.Series(rows[(fp, common[0])])
+    return None
+
+
+def fp16(m: Measurements) -> list[dict]:
+    p = m.get("pairs")
+    if p.empty or not p["rollout"].map(lambda r: _split(r)[1] == "bf16").any():
+        return []
+    found = _fp16_pairs(p)
+    if found is None:
+        rollout = p.loc[p["rollout"].map(lambda r: _split(r)[1] == "bf16"), "rollout"].iloc[0]
+        return [_advice("fp16", "measure a fp16 rollout next to bf16",
+                        f"only bf16 is measured for {rollout}; `mismatch-lab doctor --model M --rollout-dtype fp16 "
+                        f"--trainer-dtype fp16 --db S` adds the comparison the {FP16_PAPER} makes")]
+    bf, fp = found
+    ratio = bf["abs_dp_mean"] / fp["abs_dp_mean"] if fp["abs_dp_mean"] > 0 else float("inf")
+    because = (f"mean |π − μ| {bf['rollout']}/{bf['scorer']} {bf['abs_dp_mean']:.3g} vs {fp['rollout']}/{fp['scorer']} "
+               f"{fp['abs_dp_mean']:.3g}: fp16 is {ratio:.3g}× below bf16 ({FP16_PAPER})")
+    advice = ("use fp16 rollouts (and an fp16 trainer)" if ratio >= B.FP16_GAIN
+              else f"fp16 gains less than {B.FP16_GAIN:g}× here: precision is not the main source")
+    return [_advice("fp16", advice, because, ratio=ratio, bf16=bf["abs_dp_mean"], fp16=fp["abs_dp_mean"])]
+
+
+def sequence_ratio(m: Measurements) -> list[dict]:
+    p = m.get("pairs")
+    p = p[p["seq_product_out"].fillna(0) > p["seq_geo_out"].fillna(0)] if not p.empty else p
+    if p.empty:
+        return []
+    r = p.sort_values(["seq_product_out", "rollout", "scorer"], ascending=[False, True, True]).iloc[0]
+    x, y = 100 * r["seq_product_out"], 100 * r["seq_geo_out"]
+    because = (f"{r['rollout']}/{r['scorer']}: the product ratio exp(Σ log r) leaves [{B.IS_WEIGHT_LOW}, "
+               f"{B.IS_WEIGHT_HIGH}] for {x:.3g} % of {int(r['seq_n'])} sequences at a mean length of "
+               f"{r['seq_len_mean']:.3g} tokens; the geometric mean exp(mean log r) for {y:.3g} %")
+    return [_advice("sequence_ratio", "prefer token-level or geometric-mean correction to a product sequence ratio",
+                    because, product_pct=x, geometric_pct=y, mean_len=r["seq_len_mean"])]
+
+
+def trust_region(m: Measurements) -> list[dict]:
+    p = m.get("pairs")
+    p = p[p["frac_ratio_outside_clip"] > p["frac_tv_mask"]] if not p.empty else p
+    if p.empty:
+        return []
+    r = p.sort_values(["frac_ratio_outside_clip", "rollout", "scorer"], ascending=[False, True, True]).iloc[0]
+    w, z = 100 * r["frac_ratio_outside_clip"], 100 * r["frac_tv_mask"]
+    because = (f"{r['rollout']}/{r['scorer']}: PPO's ratio clip (r outside [{d.CLIP_LOW:g}, {d.CLIP_HIGH:g}]) touches "
+               f"{w:.3g} % of tokens before any update, DPPO's binary-TV mask (|π − μ| > {d.DELTA_TV:g}) {z:.3g} %")
+    return [_advice("trust_region", "bound the trust region (DPPO binary TV), not the ratio clip", because,
+                    clip_pct=w, tv_mask_pct=z)]
+
+
+def growth(m: Measurements) -> list[dict]:
+    s = m.get("steps")
+    s = s[s["ci_low"] > 0] if not s.empty else s
+    return [_advice("growth", f"watch run {r['run_id']}: its mismatch grows",
+                    f"{r['rollout']}/{r['scorer']}: mean |π − μ| rises {r['slope']:.3g} per step (95 % CI "
+                    f"[{r['ci_low']:.3g}, {r['ci_high']:.3g}]), {r['first_mean']:.3g} → {r['last_mean']:.3g}; "
+                    "prime-rl reads sustained growth as the early warning of collapse",
+                    slope=r["slope"], ci_low=r["ci_low"], ci_high=r["ci_high"])
+            for r in s.to_dict("records")]
+
+
+def batch(m: Measurements) -> list[dict]:
+    b = m.get("batch")
+    b = b[b["frac_differ"] > 0] if not b.empty else b
+    return [_advice("batch", f"{r['rollout']} is not batch-invariant: bitwise on-policy training needs "
+                             "batch-invariant kernels (or a fixed batch composition)",
+                    f"{100 * r['frac_differ']:.3g} % of {int(r['n_seq'])} sequences change between generation batch "
+                    f"{int(r['b0'])} and {int(r['batch'])}; mean |Δ log μ| {r['abs_dlogp_mean']:.3g} on the shared prefix",
+                    frac_differ=r["frac_differ"], abs_dlogp_mean=r["abs_dlogp_mean"])
+            for r in b.to_dict("records")]
+
+
+def nonfinite(m: Measurements) -> list[dict]:
+    p = m.get("pairs")
+    p = p[p["n_nonfinite"] > 0] if not p.empty else p
+    return [_advice("nonfinite", f"find the overflow in {r['rollout']}/{r['scorer']}",
+                    f"{int(r['n_nonfinite']):,} of {int(r['n_tokens']):,} (token, scorer) rows are non-finite "
+                    "(fp16 overflow is the usual cause); every number above excludes them",
+                    n_nonfinite=int(r["n_nonfinite"]), n_tokens=int(r["n_tokens"]))
+            for r in p.to_dict("records")]
+
+
+RULES = {"fp16": fp16, "sequence_ratio": sequence_ratio, "trust_region": trust_region, "growth": growth,
+         "batch": batch, "nonfinite": nonfinite}
+
+
+def recommendations(m: Measurements) -> list[dict]:
+    """Every rule's advice for the store of `m`, in RULES order."""
+    return [a for rule in RULES.values() for a in rule(m)]

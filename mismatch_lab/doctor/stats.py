@@ -1,0 +1,72 @@
+"""Small statistics without scipy: the Student t quantile and an OLS slope with its t-interval.
+
+    t_quantile(p, df)           the p-quantile of Student's t with integer df >= 1 (exact CDF, bisection)
+    slope_ci(x, y, level=0.95)  ordinary least squares y = a + b x: b, its standard error and the
+                                two-sided `level` t-interval b ± t_{(1+level)/2, n-2} · se(b)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+
+def _t_abs_cdf(t: float, df: int) -> float:
+    """P(|T| < t) for Student's t with integer df (Abramowitz & Stegun 26.7.3-4, finite sums)."""
+    theta = math.atan(t / math.sqrt(df))
+    c2, s = math.cos(theta) ** 2, math.sin(theta)
+    if df % 2 == 0:
+        term, total = 1.0, 1.0
+        for k in range(2, df, 2):  # 1 + 1/2 c² + (1·3)/(2·4) c⁴ + ... up to c^(df-2)
+            term *= c2 * (k - 1) / k
+            total += term
+        return s * total
+    if df == 1:
+        return 2.0 * theta / math.pi
+    term, total = 1.0, 1.0
+    for k in range(3, df, 2):  # 1 + 2/3 c² + (2·4)/(3·5) c⁴ + ... up to c^(df-3)
+        term *= c2 * (k - 1) / k
+        total += term
+    return 2.0 / math.pi * (theta + s * math.cos(theta) * total)
+
+
+def t_quantile(p: float, df: int) -> float:
+    """The p-quantile (0.5 < p < 1) of Student's t with `df` >= 1 degrees of freedom, to ~1e-12."""
+    if not 0.5 < p < 1.0 or df < 1:
+        raise ValueError(f"t_quantile needs 0.5 < p < 1 and df >= 1, got p={p}, df={df}")
+    target, lo, hi = 2.0 * p - 1.0, 0.0, 1.0
+    while _t_abs_cdf(hi, df) < target:
+        hi *= 2.0
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if _t_abs_cdf(mid, df) < target else (lo, mid)
+        if hi - lo < 1e-13 * max(1.0, hi):
+            break
+    return 0.5 * (lo + hi)
+
+
+@dataclass(frozen=True)
+class SlopeFit:
+    slope: float
+    stderr: float
+    ci_low: float
+    ci_high: float
+    n: int
+
+
+def slope_ci(x, y, level: float = 0.95) -> SlopeFit:
+    """OLS slope of y on x with its two-sided `level` t-interval (n - 2 degrees of freedom). Needs at
+    least 3 points and two distinct x. With a perfect fit the interval collapses to the slope."""
+    x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+    n = len(x)
+    if n < 3 or np.ptp(x) == 0:
+        raise ValueError(f"a slope with a confidence interval needs 3 points and 2 distinct x, got n={n}")
+    xc = x - x.mean()
+    sxx = float((xc * xc).sum())
+    slope = float((xc * (y - y.mean())).sum() / sxx)
+    resid = y - (y.mean() + slope * xc)
+    stderr = math.sqrt(float((resid * resid).sum()) / (n - 2) / sxx)
+    half = t_quantile(0.5 + level / 2.0, n - 2) * stderr
+    return SlopeFit(slope, stderr, slope - half, slope + half, n)
