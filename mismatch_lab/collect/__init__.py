@@ -37,6 +37,10 @@ def __getattr__(name: str):
 
 
 def run(args) -> int:
+    import os
+
+    if not getattr(args, "verbose", False):  # torch's C++ log level is read once, when torch loads
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     from mismatch_lab.collect.job import collect
 
     cfg = load_config(args)

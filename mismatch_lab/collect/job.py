@@ -176,7 +176,10 @@ def device_capacity(device: str) -> tuple[int, int]:
 # ------------------------------------------------------------------------------------------------ collect
 def collect(cfg: CollectConfig, *, progress: bool = True, verbose: bool = False) -> list[str]:
     """Run the collection described by `cfg`; returns the run ids (one per rollout dtype)."""
+    from mismatch_lab.collect.quiet import quiet_libraries
+
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # vLLM's environment is set by _import_vllm
+    quiet_libraries(verbose)
     job = prepare(cfg, verbose=verbose)
     plan = memory_plan(job)  # refused here: nothing loaded, nothing written
     from mismatch_lab.collect.summary import fill_rewards, print_summary

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from collections.abc import Sequence
+from contextlib import contextmanager
 
 from mismatch_lab.engines.base import TORCH_DTYPES, GenRequest, Sample
 
@@ -58,6 +60,25 @@ def vllm_device(requested: str | None) -> str:
     return platform
 
 
+@contextmanager
+def _native_stderr_hidden(hide: bool):
+    """File descriptor 2 pointed at /dev/null for the block: hides what native code prints directly (Python
+    exceptions still propagate with their messages)."""
+    if not hide:
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
 class VLLMEngine:
     name = "vllm"
     logprobs_mode = "raw_logprobs"
@@ -85,7 +106,8 @@ class VLLMEngine:
         else:
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization or 0.3
         self.engine_args = {k: v for k, v in kwargs.items() if k != "model"}
-        self.llm = vllm.LLM(**kwargs)
+        with _native_stderr_hidden(not verbose):  # C++ notices of the engine start (e.g. NUMA binding)
+            self.llm = vllm.LLM(**kwargs)
         self._versions = {"vllm": vllm.__version__}
 
     # -- sampling ---------------------------------------------------------------------------------

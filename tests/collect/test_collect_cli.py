@@ -227,3 +227,16 @@ def test_rewards_score_the_last_number_of_each_reply_against_the_answer(tmp_path
     assert w.con.execute("SELECT reward FROM sequences ORDER BY seq_id").fetchall() == [(1.0,), (0.0,), (None,)]
     assert fill_rewards(w.con, ["r"], prompts) == 0  # idempotent
     w.close()
+
+
+def test_the_user_sees_the_plan_the_progress_and_the_summary_not_engine_logs(tmp_path, tiny_model):
+    prompts = _prompts(tmp_path / "p.jsonl", 2)
+    args = [a for a in _args(tiny_model, prompts, tmp_path / "q.duckdb") if a != "--no-progress"]
+    p = _collect_proc(args)
+    out, _ = p.communicate(timeout=300)
+    assert p.returncode == 0, out
+    assert "memory plan for cpu" in out and "fits" in out
+    assert "collect vllm:fp32" in out  # our progress bar
+    assert "study adhoc: 1 run(s), 4 sequences" in out  # the summary
+    for noise in ("set_num_threads", "Loading weights", "Loading safetensors", "Warning", "INFO"):
+        assert noise not in out, noise
