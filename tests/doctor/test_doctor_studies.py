@@ -1,0 +1,66 @@
+"""The verdicts on the stored studies, run on their committed Parquet results (the numbers docs/doctor.md quotes)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from mismatch_lab.doctor.report import diagnose
+from mismatch_lab.doctor.verdicts import gate_status
+from mismatch_lab.store.reader import open_store
+
+STUDIES = Path(__file__).resolve().parents[2] / "studies"
+
+# study -> gate -> exit code
+GATES = {
+    "precision-sweep": {"verl": 0, "prime-rl": 0, "slime": 0, "bitwise": 1},
+    "dppo-sanity": {"verl": 1, "prime-rl": 0, "slime": 0, "bitwise": 1},
+    "batch-invariance": {"verl": 0, "prime-rl": 0, "slime": 0, "bitwise": 1},
+}
+
+
+@pytest.fixture(scope="module")
+def diagnoses():
+    out = {}
+    for name in GATES:
+        con = open_store(STUDIES / name)
+        out[name] = diagnose(con, name)
+        con.close()
+    return out
+
+
+def _verdicts(dx, check: str) -> dict[str, str]:
+    return {r["pair"] + (f" {r['run_id']}" if r["run_id"] else ""): r["verdict"] for r in dx.checks if r["check"] == check}
+
+
+@pytest.mark.parametrize("study", sorted(GATES))
+def test_gate_exit_codes(diagnoses, study):
+    assert {g: gate_status(diagnoses[study].checks, g)[0] for g in GATES[study]} == GATES[study]
+
+
+def test_precision_sweep_bf16_pairs_warn_under_verl_and_fp16_pairs_pass(diagnoses):
+    verl = _verdicts(diagnoses["precision-sweep"], "abs_dp_mean")
+    assert {p for p, v in verl.items() if v == "warn"} == {
+        "vllm:bf16/hf:bf16", "vllm:bf16/hf:fp16", "vllm:bf16/hf:fp32", "vllm:fp16/hf:bf16", "vllm:fp16/vllm:bf16",
+        "vllm:fp32/hf:bf16", "vllm:fp32/vllm:bf16"}
+    assert {v for p, v in verl.items()} == {"ok", "warn"}
+    (fp16,) = [a for a in diagnoses["precision-sweep"].recommendations if a["rule"] == "fp16"]
+    assert fp16["numbers"]["ratio"] == pytest.approx(8.46, abs=0.01)  # claim 2: "8.5× below BF16"
+
+
+def test_dppo_sanity_fails_verl_and_shows_no_growth(diagnoses):
+    dx = diagnoses["dppo-sanity"]
+    rows = {r["check"]: r for r in dx.checks if r["pair"] == "vllm:bf16/hf:fp32" and r["run_id"] is None}
+    assert rows["abs_dp_mean"]["value"] == pytest.approx(0.0188, abs=5e-5) and rows["abs_dp_mean"]["verdict"] == "fail"
+    assert rows["k3_kl"]["value"] == pytest.approx(0.0122, abs=5e-5) and rows["k3_kl"]["verdict"] == "ok"
+    growth = _verdicts(dx, "growth")
+    assert len(growth) == 6 and set(growth.values()) == {"ok"}  # claim 6: "no upward trend"
+
+
+def test_batch_invariance_fails_bitwise_on_bf16_token_identity_only(diagnoses):
+    dx = diagnoses["batch-invariance"]
+    tokens = [(r["pair"], r["verdict"]) for r in dx.checks if r["check"] == "batch_tokens"]
+    assert sorted(tokens) == [("vllm:bf16", "fail")] * 2 + [("vllm:fp32", "ok")] * 2
+    logp = {r["pair"]: r["value"] for r in dx.checks if r["check"] == "batch_logp"}
+    assert logp["vllm:bf16"] == pytest.approx(0.030, abs=5e-4) and 0 < logp["vllm:fp32"] < 1e-5
