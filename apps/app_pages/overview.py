@@ -1,9 +1,10 @@
-"""Overview: the studies the app can open, the runs of the open one, and its precision table."""
+"""Overview: the studies the app can open, the runs of the open one, its precision table and the doctor's verdicts."""
 
 import lab_ui
 import streamlit as st
 
 from mismatch_lab.analysis import browse
+from mismatch_lab.doctor.report import doctor_table
 
 st.title("Overview")
 
@@ -60,3 +61,17 @@ if table.empty:
     st.info("No scored tokens yet: the precision table needs a rollout and at least one scorer.")
 else:
     st.dataframe(table, hide_index=True)
+
+with st.expander("Doctor: verdicts against the frameworks' published bands", expanded=True):
+    st.caption(
+        "One row per (check, pair), as `mismatch-lab doctor`: the measured value, the band it is judged by and "
+        "where the band comes from (verl's FAQ, prime-rl's acceptance band, slime's CI, bitwise on-policy, verl's "
+        "illustrative weight-health levels); verdict ok / warn / fail. Every check, band and definition: docs/doctor.md."
+    )
+    verdicts = lab_ui.query(doctor_table)
+    if verdicts.empty:
+        st.info("No check could be measured: the doctor needs a rollout and at least one scorer.")
+    else:
+        counts = verdicts["verdict"].value_counts()
+        st.caption(" · ".join(f"{v}: {int(counts.get(v, 0))}" for v in ("ok", "warn", "fail")))
+        st.table(verdicts.assign(value=verdicts["value"].map(lambda v: f"{v:.3g}")))
