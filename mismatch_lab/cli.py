@@ -8,6 +8,7 @@
     mismatch-lab model prepare
     mismatch-lab export --db X.duckdb --out studies/x/results
     mismatch-lab runs --db X.duckdb [--drop RUN_ID]
+    mismatch-lab corrections --db studies/precision-sweep/results --json corrections.json
 
 Each subcommand lives in its own module exposing `add_arguments(parser)` and `run(args) -> int`; the
 module is imported only when its subcommand runs, so `mismatch-lab analyze` never imports torch.
@@ -33,6 +34,8 @@ SUBCOMMANDS = {
     "export": ("mismatch_lab.store.parquet", "export a DuckDB store to compact Parquet (zstd)"),
     "runs": ("mismatch_lab.store.runs_command", "list the runs of a DuckDB store, or drop one with all its rows"),
     "import": ("mismatch_lab.importers.command", "import prime-rl / slime / JSON-lines dumps into a run store"),
+    "corrections": ("mismatch_lab.corrections.command",
+                    "every correction method (verl, TRL, slime, prime-rl, DPPO, ...) on the same tokens of a store"),
     "doctor": ("mismatch_lab.doctor.command", "verdicts on each rollout/trainer pair against published bands; a CI gate"),
 }
 

@@ -11,12 +11,13 @@ Definitions used per token (notation of docs/design.md; one row per token and sc
     |Δp| = |π − μ|  (binary total variation of the sampled token)
     PPO clip      : r outside [1 − ε_low, 1 + ε_high]  (ε_low = 0.2, ε_high = 0.28, "clip-higher"), in the
                     advantage's direction as the clipped loss acts — A > 0: r > 1 + ε_high;
-                    A < 0: r < 1 − ε_low; A without a sign: either side
+                    A < 0: r < 1 − ε_low; A = 0: neither (no gradient); A unknown: either side
     DPPO mask     : binary TV outside δ = 0.15 in the advantage's direction —
-                    A > 0: π − μ > δ;  A < 0: μ − π > δ;  A without a sign: |π − μ| > δ
+                    A > 0: π − μ > δ;  A < 0: μ − π > δ;  A = 0: neither;  A unknown: |π − μ| > δ
                     (DPPO, arXiv 2602.04879: an update is blocked only when it would push π further
                     away from μ; without an advantage both directions count)
-    Both rules match `clipping.py` (its 'all' rows two-sided, its signed rows directional).
+    Both rules are `definitions.ppo_clip_sql` / `dppo_tv_sql`, the SQL twins of the registry's `grpo` and
+    `dppo_binary_tv` (mismatch_lab/corrections; a test checks they agree).
     advantage A   : sequences.advantage; where only a reward is stored, reward − mean reward of the
                     sequences with the same (run_id, step, prompt_id) (GRPO's group baseline), as in
                     `definitions.ADV_SIGNS`. 0 or NULL has no sign.
@@ -37,6 +38,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from mismatch_lab.analysis import definitions as d
 from mismatch_lab.analysis.definitions import (
     DELTA_TV,
     EPS_HIGH,
@@ -213,8 +215,7 @@ def sequence_tokens(
                    FROM tokens WHERE run_id = ? AND seq_id = ?),
              s AS (SELECT pos, scorer, logp, coalesce({nonfinite}, false) AS nonfinite, {optional}
                    FROM scores WHERE run_id = ? AND seq_id = ?),
-             g AS (SELECT seq_id, coalesce(advantage, reward - avg(reward) OVER (PARTITION BY step, prompt_id))
-                          AS advantage
+             g AS (SELECT seq_id, {d.group_advantage_sql("advantage", "reward", "step, prompt_id")} AS advantage
                    FROM {seqs}
                    WHERE run_id = ? AND (step, prompt_id) IS NOT DISTINCT FROM
                          (SELECT (step, prompt_id) FROM {seqs} WHERE run_id = ? AND seq_id = ?)),
@@ -225,19 +226,14 @@ def sequence_tokens(
                           s.logp - t.logp_rollout AS delta_logp, a.advantage
                    FROM t LEFT JOIN s ON t.pos = s.pos CROSS JOIN a)
         SELECT *, exp(delta_logp) AS ratio, abs(pi - mu) AS abs_dp,
-               CASE WHEN advantage > 0 THEN exp(delta_logp) > 1 + ?
-                    WHEN advantage < 0 THEN exp(delta_logp) < 1 - ?
-                    ELSE exp(delta_logp) < 1 - ? OR exp(delta_logp) > 1 + ? END AS ppo_clipped,
-               CASE WHEN advantage > 0 THEN pi - mu > ?
-                    WHEN advantage < 0 THEN mu - pi > ?
-                    ELSE abs(pi - mu) > ? END AS dppo_masked,
+               {d.ppo_clip_sql("advantage", "exp(delta_logp)", eps_low, eps_high)} AS ppo_clipped,
+               {d.dppo_tv_sql("advantage", "pi", "mu", delta)} AS dppo_masked,
                sum(delta_logp) OVER (PARTITION BY scorer ORDER BY pos
                                      ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS cum_log_ratio
         FROM j ORDER BY scorer NULLS LAST, pos
         """,
         [run_id, int(seq_id)] * 2
-        + [run_id, run_id, int(seq_id), int(seq_id)]
-        + [eps_high, eps_low, eps_low, eps_high, delta, delta, delta],
+        + [run_id, run_id, int(seq_id), int(seq_id)],
     )
 
 
@@ -361,8 +357,8 @@ def find_stores(root: str | Path) -> list[Path]:
     if not root.is_dir():
         return []
     found: list[Path] = []
-    for d in sorted(p for p in root.iterdir() if p.is_dir()):
-        if any((d / "results").glob("*.parquet")) or any((d / "results").glob("*/**/*.parquet")):
-            found.append(d)
+    for study in sorted(p for p in root.iterdir() if p.is_dir()):
+        if any((study / "results").glob("*.parquet")) or any((study / "results").glob("*/**/*.parquet")):
+            found.append(study)
         found += sorted(d.glob("*.duckdb"))
     return found

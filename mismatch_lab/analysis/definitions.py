@@ -74,6 +74,30 @@ ADV_SIGNS = ("positive", "negative")
 reward - mean(reward) over the sequences of the same (run_id, step, prompt_id) (GRPO's group baseline;
 only the sign is used, so the std normalisation does not matter). Advantage 0 or NULL has no sign."""
 
+def group_advantage_sql(advantage: str, reward: str, group: str) -> str:
+    """SQL of a sequence's advantage: `advantage` where stored, else its reward minus the mean reward of its
+    prompt group (`group`: the PARTITION BY list, e.g. 'run_id, step, prompt_id'); NULL where neither is
+    stored. The one definition of "reward minus group mean" (see ADV_SIGNS)."""
+    return f"coalesce({advantage}, {reward} - avg({reward}) OVER (PARTITION BY {group}))"
+
+
+def direction_rule_sql(adv: str, up: str, down: str) -> str:
+    """SQL boolean of a rule applied in the advantage's direction: `up` where A > 0, `down` where A < 0,
+    false where A = 0, either where A is unknown (NULL: two-sided). The SQL twin of the registry's sign
+    rule (mismatch_lab.corrections.batch.Batch.pos / neg); tests/corrections checks both agree."""
+    return f"(CASE WHEN {adv} > 0 THEN {up} WHEN {adv} < 0 THEN {down} WHEN {adv} = 0 THEN false ELSE ({up}) OR ({down}) END)"
+
+
+def ppo_clip_sql(adv: str, ratio: str, eps_low: float, eps_high: float) -> str:
+    """PPO/GRPO clip in the advantage's direction (registry `grpo`): r > 1 + eps_high up, r < 1 − eps_low down."""
+    return direction_rule_sql(adv, f"{ratio} > {1 + float(eps_high)!r}", f"{ratio} < {1 - float(eps_low)!r}")
+
+
+def dppo_tv_sql(adv: str, pi: str, mu: str, delta: float) -> str:
+    """DPPO binary-TV mask anchored on μ (registry `dppo_binary_tv`): π − μ > δ up, μ − π > δ down."""
+    return direction_rule_sql(adv, f"{pi} - {mu} > {float(delta)!r}", f"{mu} - {pi} > {float(delta)!r}")
+
+
 # -- per-token SQL expressions over columns `lmu` (log mu) and `lpi` (log pi) ---------------------
 MAX_LOG_RATIO = math.log(1.7976931348623157e308)  # exp() of more overflows a double
 

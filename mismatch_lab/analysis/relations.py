@@ -107,7 +107,7 @@ def advantage_sql(con: duckdb.DuckDBPyConnection, sign_type: str = "VARCHAR") ->
         SELECT run_id, seq_id, step,
                (CASE WHEN a > 0 THEN 'positive' WHEN a < 0 THEN 'negative' END)::{sign_type} AS adv_sign
         FROM (SELECT q.run_id, q.seq_id, {step} AS step,
-                     coalesce({adv}, {rew} - avg({rew}) OVER (PARTITION BY q.run_id, {step}, {prompt})) AS a
+                     {d.group_advantage_sql(adv, rew, f"q.run_id, {step}, {prompt}")} AS a
               FROM sequences q)"""
 
 

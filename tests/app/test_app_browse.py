@@ -145,7 +145,8 @@ def test_a_reward_without_advantage_gets_the_group_baseline_sign(tmp_path):
     got = {s: browse.sequence_tokens(con, "t", s).iloc[0] for s in (0, 1, 2)}
     assert got[0].advantage == pytest.approx(0.5) and not got[0].dppo_masked and not got[0].ppo_clipped
     assert got[1].advantage == pytest.approx(-0.5) and got[1].dppo_masked and got[1].ppo_clipped
-    assert got[2].advantage == pytest.approx(0.0) and got[2].dppo_masked  # alone in its group: no sign
+    # alone in its group: A = 0 carries no gradient, so no rule fires (the registry's sign rule)
+    assert got[2].advantage == pytest.approx(0.0) and not got[2].dppo_masked and not got[2].ppo_clipped
 
 
 def test_token_topk_returns_the_stored_lists_with_texts(con):
