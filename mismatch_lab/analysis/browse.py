@@ -360,5 +360,5 @@ def find_stores(root: str | Path) -> list[Path]:
     for study in sorted(p for p in root.iterdir() if p.is_dir()):
         if any((study / "results").glob("*.parquet")) or any((study / "results").glob("*/**/*.parquet")):
             found.append(study)
-        found += sorted(d.glob("*.duckdb"))
+        found += sorted(study.glob("*.duckdb"))
     return found
