@@ -28,6 +28,7 @@ PAGES = {
         st.Page("app_pages/overview.py", title="Overview", icon=":material/table_chart:", default=True),
         st.Page("app_pages/volatility.py", title="Volatility", icon=":material/show_chart:"),
         st.Page("app_pages/clipping.py", title="Clipping", icon=":material/content_cut:"),
+        st.Page("app_pages/corrections.py", title="Corrections", icon=":material/rule:"),
     ],
     "Tokens and training": [
         st.Page("app_pages/inspector.py", title="Token inspector", icon=":material/manage_search:"),

@@ -136,11 +136,12 @@ s[3].metric(
 st.subheader("Token detail")
 positions = view["pos"].tolist()
 worst_pos = int(view.loc[view["abs_dp"].idxmax(), "pos"]) if view["abs_dp"].notna().any() else positions[0]
+focus = st.session_state.pop("insp_focus_pos", None)  # a token another page opens (Corrections: a dropped one)
 text_of = {p: lab_ui.token_label(t, i) for p, t, i in zip(view["pos"], view["token_text"], view["token_id"])}
 pos = st.selectbox(
     "Token (defaults to the largest |Δp|)",
     positions,
-    index=positions.index(worst_pos),
+    index=positions.index(focus if focus in positions else worst_pos),
     format_func=lambda p: f"pos {p}: {text_of[p]}",
     key=f"insp_pos:{run_id}:{seq_id}:{scorer}",
 )

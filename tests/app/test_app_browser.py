@@ -38,6 +38,7 @@ PAGES = {
     "overview": ("", "Precision table"),
     "volatility": ("volatility", "Dashed: PPO's clip range"),
     "clipping": ("clipping", "Top clipped tokens"),
+    "corrections": ("corrections", "Tokens a method drops"),
     "inspector": ("inspector", "Cumulative log-ratio"),
     "training": ("training", "Sequences of a step"),
     "figures": ("figures", "fig1 ratio vs mu"),
@@ -194,3 +195,16 @@ def test_the_training_step_button_opens_the_inspector(served_app, browser_page):
     assert page.url.rstrip("/").endswith("/inspector")
     assert page.locator("h1", has_text="Token inspector").count() == 1
     page.screenshot(path=str(SCREENSHOTS / "inspector_from_training.png"), full_page=True)
+
+
+def test_the_corrections_page_opens_a_dropped_sequence_in_the_inspector(served_app, browser_page):
+    page = browser_page
+    page.goto(f"{served_app}/corrections")
+    _settle(page, "Tokens a method drops")
+    _no_exception(page, "corrections")
+    page.get_by_role("button", name="in the token inspector").click()
+    _settle(page, "Token detail")
+    _no_exception(page, "inspector opened from corrections")
+    assert page.url.rstrip("/").endswith("/inspector")
+    assert page.locator("h1", has_text="Token inspector").count() == 1
+    page.screenshot(path=str(SCREENSHOTS / "inspector_from_corrections.png"), full_page=True)

@@ -18,6 +18,7 @@ from app_paths import APP
 from streamlit.testing.v1 import AppTest
 
 from mismatch_lab.analysis.steps import step_series
+from mismatch_lab.corrections.layout import pair_info
 from mismatch_lab.store.reader import open_store
 from mismatch_lab.store.synthetic import (
     SyntheticSpec,
@@ -120,6 +121,19 @@ def test_every_page_renders_what_the_store_holds(case, source, abs_dp, tmp_path,
         assert set(by_cat["category"]) == {"uncategorized"}
         top = frame_with(at, "token_text", "token_id", "n_ratio_clip")
         assert top["token_text"].isna().all() and top["token_id"].notna().all()
+
+    # Corrections: every method's row on the first pair; top-K rules only where the pair carries top-K lists
+    visit(at, "corrections")
+    con = open_store(store)
+    info = pair_info(con)
+    con.close()
+    first = info.iloc[0]
+    assert at.selectbox(key="corr_pair").options[0] == f"{first.rollout} → {first.scorer}"
+    methods = frame_with(at, "method", "frac_tokens_masked", "framework").set_index("method")
+    assert methods.loc["seq_mis", "n_tokens"] == first.n_tokens
+    assert bool(first.has_topk) == ("topk" in groups)
+    assert np.isnan(methods.loc["dppo_topk_tv", "frac_tokens_masked"]) == ("topk" not in groups)
+    assert ("Not computed for this pair" in texts(at.caption)) == ("topk" not in groups)
 
     # Token inspector on the recorded run: ids stand in for missing text, top-K tabs only where stored
     visit(at, "inspector")

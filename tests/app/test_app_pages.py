@@ -14,7 +14,7 @@ import pytest
 from app_paths import APP
 from streamlit.testing.v1 import AppTest
 
-PAGES = ["overview", "volatility", "clipping", "inspector", "training", "figures"]
+PAGES = ["overview", "volatility", "clipping", "corrections", "inspector", "training", "figures"]
 TIMEOUT_S = 60  # the first run imports pandas/altair/duckdb; later runs take well under a second
 
 
@@ -179,6 +179,7 @@ def test_figures_shows_the_study_pngs(monkeypatch, study_dir):
 BARE_MESSAGES = {  # page -> a plain message shown where the missing content would be
     "volatility": "No top-K stored for this pair",
     "clipping": "No rewards or advantages stored",
+    "corrections": "Not computed for this pair (needs top-K log-probs",
     "inspector": "No top-K stored for this token",
     "training": "This study has no training runs",
     "figures": "This study has no figures yet",

@@ -1,0 +1,237 @@
+"""Corrections: what every objective and rollout correction of the registry does to the same tokens.
+
+Methods × shares (tokens masked, sequences dropped whole, weights changed, ESS) for one (rollout, scorer)
+pair, from `mismatch_lab.corrections.compare.compare` (cached per store and overrides through
+`lab_ui.query`); filters by token category, μ bucket or advantage sign from its split tables; each
+method's framework option and parameters; optional threshold overrides; the sequences a method drops,
+each one click away from the token inspector.
+"""
+
+import altair as alt
+import lab_ui
+import numpy as np
+import pandas as pd
+import streamlit as st
+
+from mismatch_lab.analysis import definitions
+from mismatch_lab.corrections.command import parse_overrides
+from mismatch_lab.corrections.compare import compare, variants
+from mismatch_lab.corrections.dropped import dropped_sequences, dropped_tokens
+from mismatch_lab.errors import UserError
+
+SHARES = {
+    "frac_tokens_masked": "tokens masked",
+    "frac_seqs_masked": "sequences dropped",
+    "frac_tokens_weight_changed": "weights changed",
+}
+SPLITS = {  # filter -> (split table, its key column, label)
+    "all": (None, None, "all tokens of the pair"),
+    "category": ("by_category", "category", "token categories"),
+    "mu_bucket": ("by_mu_bucket", "mu_bucket", "μ buckets"),
+    "adv_sign": ("by_adv_sign", "adv_sign", "advantage sign"),
+}
+DESCRIBED = ["method", "axis", "level", "framework", "params", "source", "note", "advantage_source"]
+INSPECTOR_RUN_MODE = "By run and sequence"  # the inspector's radio option for a picked run and sequence
+
+
+def mu_bucket_label(i) -> str:
+    edges = definitions.bucket_edges("linear")
+    if pd.isna(i) or not 0 <= int(i) < len(edges):
+        return "μ not finite"
+    lo, hi = edges[int(i)]
+    return f"μ ∈ {definitions.bucket_label(lo, hi, int(i) == len(edges) - 1)}"
+
+
+def combine(split: pd.DataFrame, key: str, chosen: list) -> pd.DataFrame:
+    """The numbers of each method over the chosen values of one split, rebuilt exactly from the split's rates:
+    masked = frac·n, kept = n − masked, Σw = mean·kept, Σw² = (Σw)²/(kept·ESS); then the same rates as
+    report.py. Sequences only for the advantage-sign split (the only split that counts them)."""
+    part = split[split[key].isin(chosen)].copy()
+    n = part["n_tokens"].astype(float)
+    part["masked"] = np.round(part["frac_tokens_masked"] * n)
+    part["changed"] = np.round(part["frac_tokens_weight_changed"] * n)
+    kept = n - part["masked"]
+    part["s_w"] = (part["weight_mean"] * kept).fillna(0.0)
+    part["s_w2"] = (part["s_w"] ** 2 / (kept * part["ess"])).where(part["ess"] > 0, 0.0).fillna(0.0)
+    sums = {"n_tokens": "sum", "masked": "sum", "changed": "sum", "s_w": "sum", "s_w2": "sum", "weight_max": "max"}
+    if "n_seqs" in part:
+        part["seqs_masked"] = np.round(part["frac_seqs_masked"] * part["n_seqs"])
+        sums |= {"n_seqs": "sum", "seqs_masked": "sum"}
+    g = part.groupby("method", sort=False).agg(sums).reset_index()
+    kept = g["n_tokens"] - g["masked"]
+    out = g.assign(
+        frac_tokens_masked=g["masked"] / g["n_tokens"],
+        frac_tokens_weight_changed=g["changed"] / g["n_tokens"],
+        weight_mean=(g["s_w"] / kept).where(kept > 0),
+        weight_max=g["weight_max"].where(kept > 0),
+        ess=(g["s_w"] ** 2 / (kept * g["s_w2"])).where((kept > 0) & (g["s_w2"] > 0)),
+        frac_seqs_masked=(g["seqs_masked"] / g["n_seqs"]) if "n_seqs" in g else np.nan,
+    )
+    if "n_seqs" not in out:
+        out["n_seqs"] = np.nan
+    return out.drop(columns=["masked", "changed", "s_w", "s_w2"] + (["seqs_masked"] if "seqs_masked" in out else []))
+
+
+st.title("Corrections")
+st.caption(
+    "Every base objective and rollout correction of the registry (mismatch_lab/corrections/registry.py) run "
+    "on the same stored tokens, at its published defaults. r = π/μ per token. **tokens masked**: tokens the "
+    "method drops (M = 0), over the pair's finite tokens; **sequences dropped**: sequences every token of which "
+    "is dropped, over the pair's sequences; **weights changed**: tokens kept with a weight w ≠ r, over the "
+    "finite tokens; **ESS** = (Σw)² / (n Σw²) over the n kept tokens (1: all weights equal). A store holds no "
+    "π_old: π_old = π, i.e. what each method does at the first mini-batch of the step that produced the tokens. "
+    "Sign-dependent rules use the stored advantage, else reward minus the prompt group's mean, else fire for "
+    "either sign (two-sided)."
+)
+lab_ui.store()
+
+# ---- threshold overrides ----------------------------------------------------------------------------------
+overrides: dict = {}
+with st.expander("Threshold overrides"):
+    with st.form("corr_overrides_form"):
+        text = st.text_input(
+            "Overrides (METHOD.PARAM=VALUE, comma-separated)",
+            key="corr_overrides",
+            placeholder="seq_mis.cap=2, geo_mis.low=0.99",
+            help="the same as `mismatch-lab corrections --set`; empty: the published defaults",
+        )
+        st.form_submit_button("Apply")
+    defaults = pd.DataFrame(
+        [{"method": v.label, "parameter": k, "default": x} for v in variants() for k, x in v.params.items()]
+    )
+    st.dataframe(defaults, hide_index=True)
+items = [s for s in (text or "").replace(";", ",").split(",") if s.strip()]
+if items:
+    try:
+        overrides = parse_overrides([s.strip().replace(" ", "") for s in items])
+        variants(overrides)  # unknown method or parameter, bad threshold: say so before computing
+    except (UserError, ValueError) as exc:
+        st.error(f"Overrides not applied: {exc}")
+        overrides = {}
+    else:
+        st.caption("Overrides applied: " + ", ".join(f"{m}.{k}={x:g}" for m, p in overrides.items() for k, x in p.items()))
+
+tables = lab_ui.query(compare, overrides=overrides or None)
+main = tables["corrections"]
+if main.empty:
+    st.info("No scored tokens yet: the comparison needs a rollout and at least one scorer.")
+    st.stop()
+
+# ---- pair and filters -----------------------------------------------------------------------------------
+pairs = main[["rollout", "scorer"]].drop_duplicates().reset_index(drop=True)
+labels = [f"{r.rollout} → {r.scorer}" for r in pairs.itertuples()]
+c = st.columns([2, 2, 3])
+lab_ui.keep_valid("corr_pair", list(range(len(labels))))
+pick = c[0].selectbox("Pair (rollout μ → scorer π)", range(len(labels)), format_func=labels.__getitem__, key="corr_pair")
+rollout, scorer = pairs.rollout[pick], pairs.scorer[pick]
+here = main[(main["rollout"] == rollout) & (main["scorer"] == scorer)].reset_index(drop=True)
+split = c[1].radio("Tokens", list(SPLITS), format_func=lambda s: SPLITS[s][2], key="corr_split")
+view = here
+if split != "all":
+    name, key, _ = SPLITS[split]
+    table = tables[name]
+    table = table[(table["rollout"] == rollout) & (table["scorer"] == scorer)]
+    values = list(dict.fromkeys(table[key].sort_values()))
+    fmt = mu_bucket_label if key == "mu_bucket" else str
+    chosen = c[2].multiselect(SPLITS[split][2].capitalize(), values, default=values, format_func=fmt, key=f"corr_{key}")
+    if not chosen:
+        st.info("Choose at least one value to filter by.")
+        st.stop()
+    numbers = combine(table, key, chosen)
+    view = here[DESCRIBED].merge(numbers, on="method", how="left")
+    if split != "adv_sign":
+        st.caption("Sequences are counted per pair and advantage sign only: the share of sequences dropped is not "
+                   "split by category or μ bucket.")
+
+n_tokens = int(here["n_tokens"].max()) if here["n_tokens"].notna().any() else 0
+n_seqs = int(here["n_seqs"].max()) if here["n_seqs"].notna().any() else 0
+m = st.columns(4)
+m[0].metric("Finite tokens", f"{n_tokens:,}", help="the denominator of every token share (the whole pair)")
+m[1].metric("Sequences", f"{n_seqs:,}", help="the denominator of the share of sequences dropped")
+m[2].metric("Non-finite tokens", f"{int(here['n_nonfinite'].max()):,}", help="left out of every rule, never zeroed")
+m[3].metric("Advantage", here["advantage_source"].iloc[0])
+
+# ---- methods × shares -------------------------------------------------------------------------------------
+st.subheader("What each method does to these tokens")
+skipped = view[view["note"] != ""]
+if not skipped.empty:
+    st.caption(f"Not computed for this pair ({skipped['note'].iloc[0]}): {', '.join(skipped['method'])}.")
+drawn = view[view["note"] == ""]
+order = drawn["method"].tolist()
+bars = drawn.melt(id_vars=["method", "axis"], value_vars=list(SHARES), var_name="share", value_name="value")
+bars["share"] = bars["share"].map(SHARES)
+left, right = st.columns([3, 1])
+left.altair_chart(
+    alt.Chart(bars.dropna(subset=["value"]))
+    .mark_bar()
+    .encode(
+        y=alt.Y("method:N", sort=order, title="method"),
+        yOffset=alt.YOffset("share:N", sort=list(SHARES.values())),
+        x=alt.X("value:Q", title="share", axis=alt.Axis(format="%")),
+        color=alt.Color("share:N", sort=list(SHARES.values()), title=None, legend=alt.Legend(orient="top")),
+        tooltip=["method", "axis", "share", alt.Tooltip("value:Q", format=".3%")],
+    ),
+    width="stretch",
+)
+right.altair_chart(
+    alt.Chart(drawn.dropna(subset=["ess"]))
+    .mark_point(filled=True, color="black")
+    .encode(
+        y=alt.Y("method:N", sort=order, title=None, axis=alt.Axis(labels=False)),
+        x=alt.X("ess:Q", title="ESS of kept weights", scale=alt.Scale(zero=False)),
+        tooltip=["method", alt.Tooltip("ess:Q", format=".4f"), alt.Tooltip("weight_mean:Q", format=".4f")],
+    ),
+    width="stretch",
+)
+shown = view[["method", "axis", "level", *SHARES, "ess", "weight_mean", "weight_max", "n_tokens", "n_seqs",
+              "framework", "params", "source", "note"]]  # fmt: skip
+pct = {k: st.column_config.NumberColumn(v, format="percent") for k, v in SHARES.items()}
+st.dataframe(
+    shown,
+    hide_index=True,
+    column_config=pct
+    | {
+        "ess": st.column_config.NumberColumn("ESS", format="%.4f"),
+        "weight_mean": st.column_config.NumberColumn("w mean", format="%.4f"),
+        "weight_max": st.column_config.NumberColumn("w max", format="%.4g"),
+        "framework": st.column_config.TextColumn("framework option"),
+    },
+)
+
+# ---- the tokens one method drops ---------------------------------------------------------------------------
+st.subheader("Tokens a method drops")
+droppers = here[(here["note"] == "") & (here["frac_tokens_masked"] > 0)]["method"].tolist()
+if not droppers:
+    st.info("No method drops a token of this pair.")
+    st.stop()
+lab_ui.keep_valid("corr_method", droppers)
+method = st.selectbox("Method", droppers, key="corr_method",
+                      help="the methods that drop at least one token of this pair (whole pair, no filter)")
+tokens = lab_ui.query(dropped_tokens, method, rollout, scorer, overrides=overrides or None)
+seqs = dropped_sequences(tokens)
+st.caption(
+    f"{method} drops {len(tokens):,} of {n_tokens:,} tokens in {len(seqs):,} sequences "
+    f"({int(seqs['seq_dropped'].sum()):,} dropped whole). Sequences dropped whole first, then by tokens dropped."
+)
+lab_ui.keep_valid("corr_seq", list(range(len(seqs))))
+i = st.selectbox(
+    "Sequence",
+    range(len(seqs)),
+    key="corr_seq",
+    format_func=lambda i: (
+        f"{seqs.run_id[i]} · seq {seqs.seq_id[i]} · {seqs.n_dropped[i]} dropped"
+        + (" (whole sequence)" if seqs.seq_dropped[i] else f", first at pos {seqs.first_pos[i]}")
+    ),
+)
+run_id, seq_id, first_pos = seqs.run_id[i], int(seqs.seq_id[i]), int(seqs.first_pos[i])
+positions = tokens[(tokens["run_id"] == run_id) & (tokens["seq_id"] == seq_id)]
+st.dataframe(
+    positions[["pos", "log_ratio"]].assign(ratio=np.exp(positions["log_ratio"])),
+    hide_index=True,
+    column_config={"log_ratio": st.column_config.NumberColumn("log r", format="%.4g"),
+                   "ratio": st.column_config.NumberColumn("r = π/μ", format="%.4g")},
+)
+if st.button(f"Open sequence {seq_id} of {run_id} in the token inspector", type="primary"):
+    st.session_state.update(insp_mode=INSPECTOR_RUN_MODE, insp_run=run_id, insp_step="all steps", insp_seq=seq_id,
+                            insp_scorer=scorer, insp_focus_pos=first_pos)
+    st.switch_page("app_pages/inspector.py")
