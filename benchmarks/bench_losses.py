@@ -1,4 +1,5 @@
-"""Cost of each policy objective's forward + backward (metrics included) against `grpo`, in one run.
+"""Cost of each policy objective's forward + backward (metrics included), and of each rollout correction
+applied on top of `grpo`, against plain `grpo`, in one run.
 
     .venv/bin/python benchmarks/bench_losses.py                      # B=64, T=512, K=20 on CPU
     .venv/bin/python benchmarks/bench_losses.py --step-ms 13000      # also: extra time as a share of a step
@@ -32,6 +33,7 @@ import time
 
 import torch
 
+from mismatch_lab.corrections.registry import CORRECTIONS
 from mismatch_lab.rl.losses import OBJECTIVES, LossConfig, TopK, policy_loss
 
 COMPARED = ("dppo_binary_tv", "dppo_binary_kl", "dppo_topk_tv", "dppo_topk_kl")
@@ -140,11 +142,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     logp0, logp_rollout, adv, mask, topk = make_inputs(args.batch, args.tokens, args.topk, args.device)
-    cfg = LossConfig(topk=args.topk)
-    names = ("grpo",) + tuple(n for n in OBJECTIVES if n != "grpo")
+    # label -> (objective, config): every objective alone, then grpo with each rollout correction on top
+    runs = {n: (n, LossConfig(topk=args.topk)) for n in ("grpo", *(o for o in OBJECTIVES if o != "grpo"))}
+    runs |= {f"grpo+{c}": ("grpo", LossConfig(topk=args.topk, correction=c)) for c in CORRECTIONS if c != "none"}
+    names = tuple(runs)
     leaf = logp0.clone().requires_grad_(True)
 
-    def once(name: str) -> float:
+    def once(label: str) -> float:
+        name, cfg = runs[label]
         leaf.grad = None
         sync(args.device)
         t0 = time.perf_counter()
@@ -170,13 +175,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\npolicy_loss forward+backward incl. metrics; B={args.batch} T={args.tokens} K={args.topk} (+1 sampled), "
           f"{int(mask.sum())} response tokens, device={args.device}, threads={torch.get_num_threads()}, "
           f"torch {torch.__version__}, median of {args.repeats} rounds")
-    header = f"{'objective':16s} {'median ms':>10s} {'IQR ms':>15s} {'vs grpo':>9s} {'extra ms':>9s}"
+    header = f"{'objective':22s} {'median ms':>10s} {'IQR ms':>15s} {'vs grpo':>9s} {'extra ms':>9s}"
     if args.step_ms:
         header += f" {'extra/step':>11s}"
     print(header)
     for n in names:
         iqr = f"{q[n][0] * 1e3:.2f}-{q[n][2] * 1e3:.2f}"
-        line = f"{n:16s} {med[n]:10.2f} {iqr:>15s} {med[n] / base:8.2f}x {med[n] - base:+9.2f}"
+        line = f"{n:22s} {med[n]:10.2f} {iqr:>15s} {med[n] / base:8.2f}x {med[n] - base:+9.2f}"
         if args.step_ms:
             line += f" {100 * (med[n] - base) / args.step_ms:+10.3f}%"
         print(line)
