@@ -106,7 +106,14 @@ class _Accumulator:
         from mismatch_lab.corrections.report import tables
 
         def frame(parts):
-            return pd.concat([keys.assign(**cols) for keys, cols in parts], ignore_index=True) if parts else None
+            """One frame from (keys, {column: array or scalar}) parts, concatenated column by column."""
+            if not parts:
+                return None
+            keys = pd.concat([k for k, _ in parts], ignore_index=True)
+            sizes = [len(k) for k, _ in parts]
+            for col in parts[0][1]:
+                keys[col] = np.concatenate([np.broadcast_to(c[col], n) for (_, c), n in zip(parts, sizes)])
+            return keys
 
         return tables(self.vs, frame(self.tokens), frame(self.seqs), info)
 

@@ -130,7 +130,8 @@ class Chunk:
         shape = (len(seqs), int(lens.max()))
 
         def grid(values: np.ndarray, fill=0.0) -> torch.Tensor:
-            out = torch.full((*shape, *values.shape[1:]), fill, dtype=torch.from_numpy(values[:0]).dtype)
+            dtype = torch.bool if values.dtype == bool else torch.float64
+            out = torch.full((*shape, *values.shape[1:]), fill, dtype=dtype)
             out[rows, cols] = torch.from_numpy(values[index])
             return out
 

@@ -179,3 +179,13 @@ def test_correction_metrics_count_shares_and_ess():
     _, m = policy_loss("pg_is", b_lp, b_mu, torch.ones(2, dtype=DT), mask, cfg=LossConfig(correction="token_tis"))
     # weights min(r, 2): 2, 2 (truncated from 3), 1, 1 -> ESS = 36 / (4 · 10)
     assert m["correction/modified/frac"] == 0.5 and m["correction/ess"] == pytest.approx(36 / 40)
+
+
+def test_docs_list_every_method_with_its_defaults():
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "corrections.md").read_text()
+    for m in [*OBJECTIVES.values(), *CORRECTIONS.values()]:
+        assert f"| `{m.name}`" in text, m.name
+    for name in CORRECTIONS:  # the train command's help is built from the same registry
+        assert name in help_text("correction")
