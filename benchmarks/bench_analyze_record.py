@@ -8,7 +8,8 @@ The store is a synthetic recorded GRPO-like run (two ranks, steps of 64 sequence
 per rank, log mu from a long-tailed distribution, log pi = log mu + noise, per-sequence advantages and
 rewards, no top-K / entropy / categories: what a framework's recorder gives) written once to
 benchmarks/out/record-<N> (git-ignored) and reused. Each measurement runs in a fresh subprocess and reports
-wall seconds and its peak RSS (getrusage ru_maxrss):
+wall seconds, CPU seconds (user + system, all threads: less sensitive than wall time to other processes
+on a shared machine) and its peak RSS (getrusage ru_maxrss):
   * analyze    run_all (every analysis, the per-step series included) + the JSON `analyze --json` writes;
   * one pass   one GROUP BY (rollout, scorer, step) over tokens JOIN scores JOIN sequences computing the
                token means the per-step series reports (mean |dp|, |dlogp|, k3, clipped share): the floor
@@ -72,10 +73,16 @@ def build(path: Path, n_tokens: int) -> None:
         rec.close()
 
 
+def cpu_seconds() -> float:
+    """User + system CPU seconds of this process (its DuckDB threads included)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def measure(store: str, what: str) -> dict:
     from mismatch_lab.store.reader import open_store
 
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), cpu_seconds()
     con = open_store(store)
     if what == "analyze":
         from mismatch_lab.analysis import run_all
@@ -88,9 +95,9 @@ def measure(store: str, what: str) -> dict:
     else:
         rows = con.execute(ONE_PASS).fetchall()
         extra = {"groups": len(rows)}
-    seconds = time.perf_counter() - t0
+    seconds, cpu = time.perf_counter() - t0, cpu_seconds() - c0
     con.close()
-    return {"seconds": seconds, "peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, **extra}
+    return {"seconds": seconds, "cpu_s": cpu, "peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, **extra}
 
 
 def run_child(store: Path, what: str) -> dict:
@@ -128,10 +135,11 @@ def main() -> int:
                 continue
             load = os.getloadavg()[0]
             res[what] = run_child(store, what)
-            print(f"  [{i + 1}] {what:<8} {res[what]['seconds']:7.1f} s  peak RSS {res[what]['peak_gib']:.2f} GiB  "
+            print(f"  [{i + 1}] {what:<8} {res[what]['seconds']:7.1f} s  ({res[what]['cpu_s']:.1f} s CPU)  peak RSS {res[what]['peak_gib']:.2f} GiB  "
                   f"(load before {load:.1f}) {res[what].get('phases', '')}", flush=True)
         if len(res) == 2:
-            print(f"  [{i + 1}] analyze / one pass = {res['analyze']['seconds'] / res['onepass']['seconds']:.2f}x")
+            wall, cpu = (res["analyze"][k] / res["onepass"][k] for k in ("seconds", "cpu_s"))
+            print(f"  [{i + 1}] analyze / one pass = {wall:.2f}x wall ({cpu:.2f}x CPU time)")
     return 0
 
 

@@ -46,7 +46,9 @@ RULES = {
 }  # fmt: skip
 TWO_SIDED_SUMS = ("n", "n_nonfinite", "s_mu", "s_ent", "n_ent", "n_topk",
                   *(c for v in RULES["all"].values() for c in ((v,) if isinstance(v, str) else v)))
-"""The sums clip_metrics(s, 'all') reads: all the per-token-string pass computes."""
+"""The sums clip_metrics(s, 'all') reads: all the per-token-string pass computes for the ranked tokens."""
+RANK_SUMS = ("n", "c_hi", "c_lo")
+"""What ranking the token strings reads (n_tokens, n_ratio_clip): all the pass over every token computes."""
 
 
 def clip_metrics(s: pd.DataFrame, sign: str) -> pd.DataFrame:
@@ -173,17 +175,29 @@ def top_clipped_tokens(
     rows = _rows or Rows(con, Filters.make(rollout, scorer, run_ids))
     if not rows.ok:
         return empty(TOKEN_COLUMNS)
-    s = rows.token_sums(_thresholds(eps_low, eps_high, delta_tv, delta_kl), TWO_SIDED_SUMS)
-    if s.empty:
+    t = _thresholds(eps_low, eps_high, delta_tv, delta_kl)
+    keys = ["rollout", "scorer", "token_text", "token_id", "category"]
+    # two passes: the ranking counts of every token, then every sum for the ranked tokens' rows only
+    counts = rows.token_sums(t, RANK_SUMS)
+    top = _ranked(counts.assign(n_tokens=counts["n"], n_ratio_clip=counts["c_hi"] + counts["c_lo"]), n)
+    if top.empty:
         return empty(TOKEN_COLUMNS)
-    out = pd.concat([s[["rollout", "scorer", "token_text", "token_id", "category"]], clip_metrics(s, "all")], axis=1)
+    s = rows.token_sums(t, TWO_SIDED_SUMS, tokens=top[["token_text", "token_id"]])
+    s = top[[*keys, "rank"]].merge(s, on=keys, how="left")  # null keys match null keys
+    out = pd.concat([s[[*keys, "rank"]], clip_metrics(s, "all")], axis=1)
     out[list(COUNTS)] = out[list(COUNTS)].astype("int64")
     out["token_id"] = out["token_id"].astype("Int64")
     out["adv_sign"] = "all"  # two-sided: a string is ranked over all its occurrences
-    out = out[out["n_ratio_clip"] > 0].sort_values(
+    return out[TOKEN_COLUMNS]
+
+
+def _ranked(s: pd.DataFrame, n: int) -> pd.DataFrame:
+    """The n tokens most often ratio-clipped per (rollout, scorer) (n_ratio_clip > 0), ordered by rank:
+    n_ratio_clip descending, ties by more occurrences (n_tokens), then the text, then the id."""
+    out = s[s["n_ratio_clip"] > 0].sort_values(
         ["rollout", "scorer", "n_ratio_clip", "n_tokens", "token_text", "token_id"],
         ascending=[True, True, False, False, True, True],
     )
     out = out.groupby(["rollout", "scorer"], sort=False).head(int(n))
     out["rank"] = out.groupby(["rollout", "scorer"]).cumcount() + 1
-    return out.reset_index(drop=True)[TOKEN_COLUMNS]
+    return out.reset_index(drop=True)

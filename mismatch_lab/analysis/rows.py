@@ -1,19 +1,24 @@
 """The passes over the row sets of `relations`, shared by every analysis and run at most once each.
 
 A pass is one GROUP BY over the joined rows. Most statistics are additive (counts, sums, maxima), so
-one pass on a fine grid -- (pair, advantage sign, category, linear mu bucket, log mu bucket) -- serves
-volatility, clipping, precision and violations at once; pandas then rolls the grid up. What is not
-additive gets a pass of its own: quantiles per mu bucket, per-sequence sums, per-token-string counts.
+one pass on a fine grid -- (pair, run, step, advantage sign, category, linear mu bucket, log mu bucket)
+-- serves volatility, clipping, precision, violations and the per-step series at once; pandas then rolls
+the grid up. What is not additive gets a pass of its own: the quantiles per mu bucket (both scales in
+one pass), the per-sequence sums, and per token id the counts that rank the token strings (the other
+sums of the ranked tokens then read their rows alone).
 
 `Rows(con, filters)` reads the store live (a standalone analysis call). `Rows(..., materialize=True)`
 (what `run_all` uses) first joins tokens and scores once into a temporary table, label columns as
-1-byte ENUMs, and every rollout-side pass reads that: the join of 10^7 tokens is the expensive part.
-The scorer side (scorer vs reference) stays live: it has two passes, one of them without top-K.
+1-byte ENUMs and the default mu buckets as 1-byte columns, and every rollout-side pass reads that: the
+join of 10^7 tokens is the expensive part. Optional columns the store lacks are constants, neither
+stored nor aggregated. The scorer side (scorer vs reference) stays live: it has two passes, one of them
+without top-K, and none where the materialised labels show no reference-scorer row.
 """
 
 from __future__ import annotations
 
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Self
 
@@ -48,11 +53,13 @@ class Thresholds:
     delta_kl: float = d.DELTA_KL
 
 
-def sums_sql(t: Thresholds, only: tuple[str, ...] | None = None) -> str:
+def sums_sql(t: Thresholds, only: tuple[str, ...] | None = None, absent: Iterable[str] = ()) -> str:
     """The additive statistics of one group of rows (metric columns of relations.with_metrics).
     Prefixes: n_ row counts, s_ sums, x_ maxima, c_ counts of a rule firing. Rules: 'hi' r > clip_high,
     'lo' r < clip_low, 'tv' btv > delta_tv, 'kl' bkl > delta_kl, 'ktv'/'kkl' the top-K versions;
-    '_up' / '_down' the same restricted to r > 1 / r < 1 (pi above / below mu)."""
+    '_up' / '_down' the same restricted to r > 1 / r < 1 (pi above / below mu). `absent`: columns known
+    to be NULL on every row (ABSENT_READS keys): the statistics reading them are written as the constants
+    they would aggregate to (counts 0, sums and maxima NULL) instead of being computed row by row."""
     lo, hi, dtv, dkl = (repr(float(x)) for x in (t.clip_low, t.clip_high, t.delta_tv, t.delta_kl))
     rules = {"tv": f"btv > {dtv}", "kl": f"bkl > {dkl}", "ktv": f"topk_tv > {dtv}", "kkl": f"topk_kl > {dkl}"}
     out = [
@@ -83,7 +90,18 @@ def sums_sql(t: Thresholds, only: tuple[str, ...] | None = None) -> str:
                 f"count_if(r < 1.0 AND {rule}) AS c_{name}_down"]  # fmt: skip
     if only is not None:  # a pass that needs fewer statistics should not pay for the rest
         out = [part for part in out if part.rsplit(" AS ", 1)[1] in only]
-    return ",\n            ".join(out)
+    reads = [c for a in absent for c in ABSENT_READS[a]]
+    return ",\n            ".join(_constant(part) if any(c in part for c in reads) else part for part in out)
+
+
+ABSENT_READS = {"topk": ("topk_tv", "topk_kl"), "entropy": ("entropy",), "tv_exact": ("tv_exact",)}
+"""Optional per-token columns a row set may hold as NULL constants -> the metric columns read from them."""
+
+
+def _constant(part: str) -> str:
+    """'<aggregate> AS <name>' of sums_sql as the constant it gives over rows where its input is NULL."""
+    name = part.rsplit(" AS ", 1)[1]
+    return f"{'0::BIGINT' if name[0] in 'nc' else 'CAST(NULL AS DOUBLE)'} AS {name}"
 
 
 SUM_COLUMNS = [part.rsplit(" AS ", 1)[1] for part in sums_sql(Thresholds()).split(",\n")]
@@ -97,6 +115,9 @@ def rollup(grid: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
     agg = {c: ("max" if c.startswith("x_") else "sum") for c in SUM_COLUMNS if c in grid.columns}
     return grid.groupby(keys, dropna=False, sort=False).agg(agg).reset_index()
 
+
+DEFAULT_BUCKETS = (("linear", d.N_LINEAR_BUCKETS), ("log", d.N_LOG_BUCKETS))
+"""The mu buckets (scale, count) every analysis of run_all reads: a materialised row set stores them."""
 
 QUANTILE_BYTES_TOGETHER = 600 * 2**20
 """Exact quantiles keep every value of a group until it is done (8 bytes each): below this many bytes for
@@ -119,41 +140,50 @@ class Rows:
         self.ok = has_tables(con, "tokens", "scores", "runs")
         self._cache: dict = {}
         self._tables: list[str] = []
-        self._const: set[str] = set()  # rollout-side columns that are NULL constants (materialised row set)
+        self._const: dict[str, str] = {}  # rollout-side columns the store lacks: name -> SQL constant
+        self._buckets: dict[tuple[str, int], str] = {}  # (scale, n) -> column of the materialised row set
         if not self.ok:
             return
         tcols, scols = table_columns(con, "tokens"), table_columns(con, "scores")
         # top-K work only where the store holds top-K lists (recorded runs usually do not)
         rollout_topk = topk and {"topk_ids_rollout", "topk_logps_rollout"} <= tcols and "logps_at_rollout_topk" in scols
         scorer_topk = topk and {"topk_ids", "topk_logps", "logps_at_ref_topk"} <= scols
+        self._const = {name: typed_null("DOUBLE") for name, src in (("entropy", "entropy"), ("tv_exact", "tv_exact_vs_ref"))
+                       if src not in scols} | ({} if rollout_topk else {"topk": typed_null("STRUCT(tv DOUBLE, kl DOUBLE)")})
+        enums = self._enums() if materialize else None
         # the scorer side (scorer vs reference) is read live: two passes cost less than materialising it
         self.sql: dict[str, tuple[str, dict]] = {}
         sql, params = scorer_base(con, self.filters, reference, topk=scorer_topk)
-        self.sql["scorer"] = (with_metrics(sql), params)
+        self.sql["scorer"] = (self._unless_absent(with_metrics(sql), reference), params)
         sql, params = scorer_base(con, self.filters, reference, topk=False)
-        self.sql["scorer_plain"] = (with_metrics(sql), params)  # for the per-sequence pass: no top-K
-        sql, params = rollout_base(con, self.filters, topk=rollout_topk, enums=self._enums() if materialize else None)
+        # for the per-sequence pass: no top-K
+        self.sql["scorer_plain"] = (self._unless_absent(with_metrics(sql), reference), params)
+        sql, params = rollout_base(con, self.filters, topk=rollout_topk, enums=enums)
         if materialize:
             # columns the store lacks are constants: added after the join instead of stored per row
-            const = {name: "DOUBLE" for name, src in (("entropy", "entropy"), ("tv_exact", "tv_exact_vs_ref"))
-                     if src not in scols}
-            if not rollout_topk:
-                const["topk"] = "STRUCT(tv DOUBLE, kl DOUBLE)"
-            self._const = set(const)
+            const = self._const | ({} if "category" in tcols else {"category": "'uncategorized'"})
             self.sql["rollout"] = (with_metrics(self._materialize("rollout", sql, params, const), STORED_METRICS), {})
         else:
             self.sql["rollout"] = (with_metrics(sql), params)
 
+    def _unless_absent(self, rel: str, reference: str) -> str:
+        """`rel`, or no rows without reading the store where the labels read for the ENUMs (a
+        materialised row set) show that no score row is the reference scorer's."""
+        scorers = self._cache.get("labels", {}).get("scorer")
+        return rel if scorers is None or reference in scorers else f"SELECT * FROM ({rel}) WHERE false"
+
     # -- materialisation ------------------------------------------------------------------------------
     def _materialize(self, side: str, base: str, params: dict, const: dict[str, str]) -> str:
         """Join once into a temp table: base columns (labels already ENUMs) and STORED_METRICS, without
-        the top-K parts they were computed from; `const` (name -> SQL type) columns are NULL constants
+        the top-K parts they were computed from; `const` (name -> SQL expression) columns are constants
         added to the result instead of stored."""
         table = f"_ml_{side}_{uuid.uuid4().hex[:10]}"
         names = [r[0] for r in self.con.execute(f"DESCRIBE {base}", _used(base, params)).fetchall()]
         stored = metrics_sql()
+        buckets = {(scale, n): f"mu_bucket_{scale}" for scale, n in DEFAULT_BUCKETS}
         select = ", ".join([n for n in names if n not in TOPK_STORED and n not in const]
-                           + [f"{stored[m]} AS {m}" for m in STORED_METRICS if m not in const])
+                           + [f"{stored[m]} AS {m}" for m in STORED_METRICS if m not in const]
+                           + [f"{self._bucket(*key)}::TINYINT AS {c}" for key, c in buckets.items()])
         # Row order is irrelevant to every pass; not keeping it lets DuckDB write in parallel.
         (order,) = self.con.execute("SELECT current_setting('preserve_insertion_order')").fetchone()
         self.con.execute("SET preserve_insertion_order = false")
@@ -162,8 +192,14 @@ class Rows:
         finally:
             self.con.execute(f"SET preserve_insertion_order = {bool(order)}")
         self._tables.append(table)
-        added = "".join(f", {typed_null(typ)} AS {name}" for name, typ in const.items())
+        self._buckets |= buckets
+        added = "".join(f", {expr} AS {name}" for name, expr in const.items())
         return f"SELECT *{added} FROM temp.{table}"
+
+    def _bucket(self, scale: str, n_buckets: int) -> str:
+        """SQL: a row's mu bucket (definitions.bucket_sql), -1 where log mu is not finite; the stored
+        column of a materialised row set for the default bucket counts."""
+        return self._buckets.get((scale, n_buckets)) or f"coalesce({d.bucket_sql(scale, n_buckets)}, -1)"
 
     def _enums(self) -> dict[str, str]:
         """ENUM types for the label columns: one byte a row instead of a string."""
@@ -177,14 +213,15 @@ class Rows:
         }
         if "category" in table_columns(con, "tokens"):
             values["category"] = "SELECT DISTINCT coalesce(category, 'uncategorized') FROM tokens"
-        out = {}
+        out, labels = {}, {}
         for name, sql in values.items():
             vals = sorted({str(r[0]) for r in con.execute(sql).fetchall() if r[0] is not None} | (
                 {"uncategorized"} if name == "category" else set()))  # fmt: skip
+            labels[name] = vals
             if vals:
                 out[name] = "ENUM(" + ", ".join("'" + v.replace("'", "''") + "'" for v in vals) + ")"
         out["adv_sign"] = "ENUM('positive', 'negative')"
-        self._cache["enums"] = out
+        self._cache["enums"], self._cache["labels"] = out, labels
         return out
 
     def close(self) -> None:
@@ -205,15 +242,16 @@ class Rows:
         return self._cache[key].copy()
 
     def grid(self, t: Thresholds, n_linear: int = d.N_LINEAR_BUCKETS, n_log: int = d.N_LOG_BUCKETS) -> pd.DataFrame:
-        """Sums per (rollout, scorer, adv_sign, category, lb, gb) of the rollout rows; lb / gb are the
-        linear / log mu buckets (-1 where log mu is not finite)."""
+        """Sums per (rollout, scorer, run_id, step, adv_sign, category, lb, gb) of the rollout rows; lb / gb
+        are the linear / log mu buckets (-1 where log mu is not finite), step the sequence's training step
+        (NULL for collect runs). Every sums-based table (the per-step series too) is a rollup of it."""
 
         def run():
             rel, params = self.sql["rollout"]
-            lb = f"coalesce({d.bucket_sql('linear', n_linear)}, -1)"
-            gb = f"coalesce({d.bucket_sql('log', n_log)}, -1)"
+            lb, gb = self._bucket("linear", n_linear), self._bucket("log", n_log)
             sql = f"""
-                SELECT rollout, scorer, adv_sign, category, {lb} AS lb, {gb} AS gb, {sums_sql(t)}
+                SELECT rollout, scorer, run_id, step, adv_sign, category, {lb} AS lb, {gb} AS gb,
+                    {sums_sql(t, absent=self._const)}
                 FROM ({rel}) GROUP BY ALL"""
             return query(self.con, sql, params)
 
@@ -233,69 +271,111 @@ class Rows:
 
         return self._run(("scorer_sums", t, float(delta_tv)), run)
 
-    def token_sums(self, t: Thresholds, only: tuple[str, ...] | None = None) -> pd.DataFrame:
+    def token_sums(
+        self, t: Thresholds, only: tuple[str, ...] | None = None, tokens: pd.DataFrame | None = None
+    ) -> pd.DataFrame:
         """Sums per (rollout, scorer, token string, token_id, category) of the rollout rows. The pass groups
         by (run_id, token_id) -- ids are cheap to group -- and names them from `tokens` afterwards. A token
         the store holds no text for (recorded without a tokenizer) keeps its id as its key (token_text
         NULL); a named token has token_id NULL, its string standing for every id that decodes to it.
-        `only`: the sums to compute (default all): the pass groups ~10^5 keys, each sum costs."""
+        `only`: the sums to compute (default all): the pass groups ~10^5 keys, each sum costs. `tokens`:
+        (token_text, token_id) keys as returned here: the pass then reads only the rows of their ids (the
+        sums of those keys are complete; other keys sharing an id may appear, partially summed)."""
+        ids = None if tokens is None else self._token_ids(tokens)
 
         def run():
             rel, params = self.sql["rollout"]
+            where = "true" if ids is None else "token_id IN (SELECT unnest($tok_ids))"
             sql = f"""
-                SELECT rollout, scorer, run_id, token_id, category, {sums_sql(t, only)}
-                FROM ({rel}) GROUP BY ALL"""
-            by_id = query(self.con, sql, params)
-            names = query(
+                SELECT rollout, scorer, run_id, token_id, category, {sums_sql(t, only, absent=self._const)}
+                FROM ({rel}) WHERE {where} GROUP BY ALL"""
+            by_id = query(self.con, sql, params | {"tok_ids": ids})
+            named = by_id.merge(self._token_names(), on=["run_id", "token_id"], how="left")
+            named["token_id"] = named["token_id"].astype("Int64").where(named["token_text"].isna())
+            return rollup(named, ["rollout", "scorer", "token_text", "token_id", "category"])
+
+        return self._run(("token_sums", t, only, None if ids is None else tuple(ids)), run)
+
+    def _token_names(self) -> pd.DataFrame:
+        """(run_id, token_id, token_text): the text of each id the store names (empty without texts)."""
+        if "token_names" not in self._cache:
+            self._cache["token_names"] = query(
                 self.con,
                 "SELECT run_id, token_id, min(token_text) AS token_text FROM tokens GROUP BY ALL"
                 if "token_text" in table_columns(self.con, "tokens")
                 else "SELECT NULL AS run_id, NULL AS token_id, NULL AS token_text WHERE false",
             )
-            named = by_id.merge(names, on=["run_id", "token_id"], how="left")
-            named["token_id"] = named["token_id"].astype("Int64").where(named["token_text"].isna())
-            return rollup(named, ["rollout", "scorer", "token_text", "token_id", "category"])
+        return self._cache["token_names"]
 
-        return self._run(("token_sums", t, only), run)
+    def _token_ids(self, tokens: pd.DataFrame) -> list[int]:
+        """The token ids behind (token_text, token_id) keys: the id itself, or every id named by the text."""
+        names = self._token_names()
+        named = names.loc[names["token_text"].isin(tokens["token_text"].dropna()), "token_id"]
+        return sorted({int(i) for i in [*tokens["token_id"].dropna(), *named.dropna()]})
 
     def quantiles(self, scale: str, n_buckets: int) -> pd.DataFrame:
         """Per (rollout, scorer, mu bucket of `scale`): quantiles of r (definitions.RATIO_QUANTILES) and the
-        99th percentiles of binary TV, top-K TV and the stored exact TV, over finite rows. One exact
-        quantile aggregate holds every value of its column in memory until its groups are done: on large row
-        sets they run one per pass, which bounds the peak (10^8 tokens: ~0.8 GB, not ~3.2 GB); on small
-        ones they share a pass (QUANTILE_BYTES_TOGETHER)."""
+        99th percentiles of binary TV, top-K TV and the stored exact TV, over finite rows. On a
+        materialised row set a default scale is computed together with the other default scale (one
+        pass, GROUPING SETS), as run_all reads both."""
+        key = ("quantiles", scale, n_buckets)
+        if key not in self._cache:
+            scales = [(scale, n_buckets)]
+            if self._tables and scales[0] in DEFAULT_BUCKETS:
+                scales += [s for s in DEFAULT_BUCKETS if s != scales[0]]
+            for s, frame in zip(scales, self._quantile_passes(scales), strict=True):
+                self._cache[("quantiles", *s)] = frame
+        return self._cache[key].copy()
 
-        def run():
-            rel, params = self.sql["rollout"]
-            names = [f"r_p{round(q * 100):02d}" for q in d.RATIO_QUANTILES]
-            ok = "finite AND isfinite(tv_exact)"
-            aggregates = {
-                "r_q": f"quantile_cont(r, {list(d.RATIO_QUANTILES)})",
-                "binary_tv_p99": "quantile_cont(btv, 0.99)",
-                "topk_tv_p99": "quantile_cont(topk_tv, 0.99)",
-                "tv_exact_vs_ref_p99": f"quantile_cont(tv_exact, 0.99) FILTER (WHERE {ok})",
-            }
-            constant = {"topk_tv_p99": "topk", "tv_exact_vs_ref_p99": "tv_exact"}  # NULL where not stored
-            keys = ["rollout", "scorer", "bucket"]
-            bucket = f"coalesce({d.bucket_sql(scale, n_buckets)}, -1) AS bucket"
-            live = {n: a for n, a in aggregates.items() if constant.get(n) not in self._const}
-            # together in one pass while their values fit well inside the reader's memory, else one by one
-            together = self._row_bound() * 8 * len(live) <= QUANTILE_BYTES_TOGETHER
-            batches = [live] if together else [{n: a} for n, a in live.items()]
-            out = None
-            for batch in batches:
-                aggs = ", ".join(f"{a} AS {n}" for n, a in batch.items())
-                part = query(self.con, f"SELECT rollout, scorer, {bucket}, {aggs} FROM ({rel}) GROUP BY ALL", params)
-                out = part if out is None else out.merge(part, on=keys, how="outer")
+    def _quantile_passes(self, scales: list[tuple[str, int]]) -> list[pd.DataFrame]:
+        """quantiles() for each (scale, n_buckets). One exact quantile aggregate holds every value of its
+        column (per scale) in memory until its groups are done: on large row sets each aggregate and scale
+        runs in a pass of its own, which bounds the peak (10^8 tokens: ~0.8 GB, not ~3.2 GB); on small
+        ones they share one pass (QUANTILE_BYTES_TOGETHER)."""
+        names = [f"r_p{round(q * 100):02d}" for q in d.RATIO_QUANTILES]
+        ok = "finite AND isfinite(tv_exact)"
+        aggregates = {
+            "r_q": f"quantile_cont(r, {list(d.RATIO_QUANTILES)})",
+            "binary_tv_p99": "quantile_cont(btv, 0.99)",
+            "topk_tv_p99": "quantile_cont(topk_tv, 0.99)",
+            "tv_exact_vs_ref_p99": f"quantile_cont(tv_exact, 0.99) FILTER (WHERE {ok})",
+        }
+        constant = {"topk_tv_p99": "topk", "tv_exact_vs_ref_p99": "tv_exact"}  # NULL where not stored
+        live = {n: a for n, a in aggregates.items() if constant.get(n) not in self._const}
+        # together in one pass while their values fit well inside the reader's memory, else one by one
+        together = self._row_bound() * 8 * len(live) * len(scales) <= QUANTILE_BYTES_TOGETHER
+        batches = [(scales, live)] if together else [([s], {n: a}) for s in scales for n, a in live.items()]
+        keys = ["rollout", "scorer", "bucket"]
+        out: dict[tuple[str, int], pd.DataFrame] = {}
+        for batch_scales, batch in batches:
+            for s, part in zip(batch_scales, self._quantile_pass(batch_scales, batch), strict=True):
+                out[s] = part if s not in out else out[s].merge(part, on=keys, how="outer")
+        frames = []
+        for s in scales:
+            q = out[s]
             for name in aggregates.keys() - live.keys():
-                out[name] = np.nan
-            qs = out.pop("r_q")
+                q[name] = np.nan
+            qs = q.pop("r_q")
             for i, col_name in enumerate(names):
-                out[col_name] = np.array([np.nan if not isinstance(v, (list, np.ndarray)) or v[i] is None else v[i]
-                                          for v in qs], dtype=np.float64)
-            return out[[*keys, *names, "binary_tv_p99", "topk_tv_p99", "tv_exact_vs_ref_p99"]]
+                q[col_name] = np.array([np.nan if not isinstance(v, (list, np.ndarray)) or v[i] is None else v[i]
+                                        for v in qs], dtype=np.float64)
+            frames.append(q[[*keys, *names, "binary_tv_p99", "topk_tv_p99", "tv_exact_vs_ref_p99"]])
+        return frames
 
-        return self._run(("quantiles", scale, n_buckets), run)
+    def _quantile_pass(self, scales: list[tuple[str, int]], aggregates: dict[str, str]) -> list[pd.DataFrame]:
+        """One pass: `aggregates` (name -> SQL) per (rollout, scorer, bucket) of each scale (GROUPING SETS,
+        one set per scale); a frame (rollout, scorer, bucket, *names) per scale."""
+        rel, params = self.sql["rollout"]
+        cols = [f"b{i}" for i in range(len(scales))]
+        buckets = ", ".join(f"{self._bucket(s, n)} AS {c}" for c, (s, n) in zip(cols, scales, strict=True))
+        sets = ", ".join(f"(rollout, scorer, {c})" for c in cols)
+        aggs = ", ".join(f"{a} AS {n}" for n, a in aggregates.items())
+        sql = f"""SELECT rollout, scorer, {', '.join(cols)}, {aggs}
+                  FROM (SELECT *, {buckets} FROM ({rel})) GROUP BY GROUPING SETS ({sets})"""
+        both = query(self.con, sql, params)
+        # a bucket column is never NULL in its own set (-1 marks non-finite mu) and NULL in the others
+        return [both[both[c].notna()].drop(columns=[x for x in cols if x != c]).rename(columns={c: "bucket"})
+                .reset_index(drop=True) for c in cols]  # fmt: skip
 
     def _row_bound(self) -> int:
         """An upper bound of the rollout row set's rows: the store's score rows (one per token and scorer).

@@ -35,7 +35,10 @@ def test_run_all_returns_every_analysis_and_equals_the_single_functions(con):
     same(pairs, precision.precision_table(con))
     same(out["volatility"][out["volatility"]["scale"] == "log"].drop(columns="scale"),
          volatility.volatility_table(con, buckets="log").drop(columns="scale"))  # fmt: skip
+    same(out["volatility"][out["volatility"]["scale"] == "linear"].drop(columns="scale"),
+         volatility.volatility_table(con, buckets="linear").drop(columns="scale"))  # fmt: skip
     same(out["clipping"][out["clipping"]["view"] == "category"], clipping.clipping_by_category(con))
+    same(out["clipping"][out["clipping"]["view"] == "top_token"], clipping.top_clipped_tokens(con))
     same(out["violations"][out["violations"]["source"] == "tokens"], violations.violations_table(con))
 
 
