@@ -17,6 +17,7 @@ from mismatch_lab.analysis import definitions
 from mismatch_lab.corrections.command import parse_overrides
 from mismatch_lab.corrections.compare import compare, variants
 from mismatch_lab.corrections.dropped import dropped_sequences, dropped_tokens
+from mismatch_lab.corrections.layout import pair_info
 from mismatch_lab.errors import UserError
 
 SHARES = {
@@ -111,6 +112,9 @@ if items:
     else:
         st.caption("Overrides applied: " + ", ".join(f"{m}.{k}={x:g}" for m, p in overrides.items() for k, x in p.items()))
 
+if lab_ui.query(pair_info).empty:  # (compare() needs at least one pair)
+    st.info("No scored tokens yet: the comparison needs a rollout and at least one scorer.")
+    st.stop()
 tables = lab_ui.query(compare, overrides=overrides or None)
 main = tables["corrections"]
 if main.empty:

@@ -20,6 +20,7 @@ the `collect` runs; figure 6 the `train` runs; figure 8 every run whose sequence
     6 fig6_training_curves              per-objective training curves               (DPPO Figs. 3, 5)
     7 fig7_batch_invariance             identical sequences and |dlogp| by batch size
     8 fig8_mismatch_over_steps          mean |dp| and k3 per training step per run and pair
+    9 fig9_corrections                  each correction method's masked / dropped / reweighted shares, ESS (corrections.py)
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from mismatch_lab.analysis.steps import step_series
 from mismatch_lab.analysis.violations import train_series
 from mismatch_lab.analysis.volatility import volatility_table
 from mismatch_lab.categories import CATEGORIES
+from mismatch_lab.figures.corrections import fig9_corrections
 from mismatch_lab.store.schema import TOKEN_FIGURE_KINDS
 
 
@@ -848,5 +850,6 @@ FIGURES: dict[str, Callable[[duckdb.DuckDBPyConnection], list[tuple[str, Figure]
     "6": fig6_training,
     "7": fig7_batch_invariance,
     "8": fig8_steps,
+    "9": fig9_corrections,
 }
 """Figure number -> function; the command draws them in this order."""

@@ -218,3 +218,16 @@ def test_a_store_without_top_k_or_rewards_shows_what_it_can(monkeypatch, bare_st
     at.radio(key="corr_split").set_value("adv_sign")
     rerun(at)
     assert at.multiselect(key="corr_adv_sign").options == ["unknown"]  # no advantage: every rule two-sided
+
+
+def test_a_store_without_scored_tokens_says_so(monkeypatch, tmp_path):
+    import duckdb
+
+    from mismatch_lab.store.schema import create_schema
+
+    path = tmp_path / "empty.duckdb"
+    con = duckdb.connect(str(path))
+    create_schema(con)
+    con.close()
+    at = open_page(monkeypatch, path)
+    assert "No scored tokens yet" in texts(at.info)

@@ -180,5 +180,6 @@ def test_the_figures_command_on_a_required_columns_store_writes_what_it_can(form
     assert "figure 5 skipped: no exact TV" in printed and "figure 7 skipped" in printed
     written = sorted(p.stem for p in out.glob("*.png"))
     assert written == ["fig1_ratio_tv_vs_mu", "fig2_pi_vs_mu_seq_drift", "fig3_precision_summary",
-                       "fig4_clipped_tokens", "fig6_training_curves", "fig8_mismatch_over_steps"]  # fmt: skip
+                       "fig4_clipped_tokens", "fig6_training_curves", "fig8_mismatch_over_steps",
+                       "fig9_corrections"]  # fmt: skip
     assert all(p.stat().st_size > 1000 for p in out.glob("*.png"))

@@ -16,6 +16,7 @@ from mismatch_lab.store.reader import open_store
 STEMS = {
     "fig1_ratio_tv_vs_mu", "fig2_pi_vs_mu_seq_drift", "fig3_precision_summary", "fig4_clipped_tokens",
     "fig5_tv_approximation", "fig6_training_curves", "fig7_batch_invariance", "fig8_mismatch_over_steps",
+    "fig9_corrections",
 }  # fmt: skip
 UNIT = re.compile(r"\([^)]*[a-z%][^)]*\)")  # a parenthesised unit, e.g. "(probability)", "(nats)"
 
