@@ -107,6 +107,22 @@ def analyze(study: Path) -> dict[str, Rows]:
         con.close()
 
 
+@kind("corrections", keys={"corrections": ("method", "rollout", "scorer")})
+def corrections(study: Path) -> dict[str, Rows]:
+    """`mismatch-lab corrections --db studies/<name> --json`'s main table (every method at its published
+    defaults, one row per method and pair); its split tables are left out to keep the files small."""
+    from mismatch_lab.analysis.command import to_json
+    from mismatch_lab.corrections.compare import compare
+    from mismatch_lab.store.reader import open_store
+
+    con = open_store(study)
+    try:
+        con.execute(f"SET threads = {THREADS}")
+        return to_json({"corrections": compare(con)["corrections"]})
+    finally:
+        con.close()
+
+
 # -- recording ---------------------------------------------------------------------------------------
 
 
@@ -115,9 +131,9 @@ def stored_studies() -> list[Path]:
     return sorted(p.parent for p in STUDIES.glob("*/results") if p.is_dir() and any(p.glob("*.parquet")))
 
 
-def compute(study: Path) -> dict[str, dict[str, Rows]]:
-    """{kind: {table: rows}} of every registered kind on the study's committed Parquet."""
-    return {name: k.compute(study) for name, k in KINDS.items()}
+def compute(study: Path, kinds: list[str] | None = None) -> dict[str, dict[str, Rows]]:
+    """{kind: {table: rows}} of every registered kind (or of `kinds`) on the study's committed Parquet."""
+    return {name: k.compute(study) for name, k in KINDS.items() if kinds is None or name in kinds}
 
 
 def key_of(row: dict, key: tuple[str, ...]) -> tuple:
@@ -190,15 +206,20 @@ def dumps(doc: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def record(study: Path, argv: list[str]) -> Path:
-    results = compute(study)
+def record(study: Path, argv: list[str], kinds: list[str] | None = None) -> Path:
+    """Write tests/golden/<study>.json; with `kinds`, recompute only those and keep the file's other kinds."""
+    out = GOLDEN / f"{study.name}.json"
+    old = json.loads(out.read_text()) if kinds and out.exists() else {}
+    results = compute(study, kinds)
     doc = {"study": study.name, "provenance": provenance(study, argv)}
-    for name, res in results.items():
-        doc[name] = tables_of(name, res)
+    for name in KINDS:
+        if name in results:
+            doc[name] = tables_of(name, results[name])
+        elif name in old:
+            doc[name] = old[name]
     text = dumps(doc)
     assert json.loads(text) == json.loads(json.dumps(doc)), "dumps() lost something"
     GOLDEN.mkdir(parents=True, exist_ok=True)
-    out = GOLDEN / f"{study.name}.json"
     out.write_text(text, encoding="utf-8")
     return out
 
@@ -207,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("studies", nargs="*", help="study names (default: every study with committed results)")
+    parser.add_argument("--kind", action="append", choices=list(KINDS), dest="kinds",
+                        help="recompute only this result kind, keeping the others of each file (repeatable)")
     args = parser.parse_args(argv)
     studies = stored_studies()
     if args.studies:
@@ -215,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"no committed results for {', '.join(unknown)}; stored: {', '.join(s.name for s in studies)}")
         studies = [s for s in studies if s.name in args.studies]
     for study in studies:
-        out = record(study, argv)
+        out = record(study, argv, args.kinds)
         print(f"wrote {out.relative_to(REPO)} ({out.stat().st_size / 1e3:.0f} kB)")
     return 0
 

@@ -118,6 +118,14 @@ class Golden:
             raise LookupError(f"{study} {table} {where}: no rows")
         return [r.get(column) for r in found]
 
+    def correction(self, study: str, **where) -> dict:
+        """The single row of the `corrections` result kind matching `where`."""
+        found = [r for r in self.docs[study]["corrections"]["corrections"]["rows"]
+                 if all(r.get(c) == v for c, v in where.items())]
+        if len(found) != 1:
+            raise LookupError(f"{study} corrections {where}: {len(found)} rows, expected one")
+        return found[0]
+
     def train(self, loss: str, name: str) -> dict[int, float]:
         out = {r["step"]: r.get("value") for r in self.rows("dppo-sanity", "violations", source="train_metrics", name=name)
                if r["run_id"].startswith(f"dppo-sanity-train-{loss}-")}
@@ -131,6 +139,9 @@ PS = "precision-sweep"
 
 
 def quotes(g: Golden) -> list[Quote]:
+    def corr(rollout, method, scorer="hf:fp32"):  # a row of `mismatch-lab corrections` on precision-sweep
+        return g.correction(PS, method=method, rollout=rollout, scorer=scorer)
+
     def pair(rollout, scorer, **kw):  # precision row of a (rollout, scorer) pair
         return g.one(PS, "precision", comparison="rollout_vs_scorer", rollout=rollout, scorer=scorer, **kw)
 
@@ -290,6 +301,15 @@ def quotes(g: Golden) -> list[Quote]:
               (masked["grpo"], masked["dppo_binary_tv"], masked["dppo_binary_kl"], masked["dppo_topk_tv"])),
         # -- 7: only the precision-sweep comparison is analyze output
         Quote(7, "(precision-sweep: {0.033})", (pair("vllm:bf16", "hf:fp32")["abs_dlogp_mean"],)),
+        # -- 8: mismatch-lab corrections on precision-sweep, trainer hf:fp32
+        Quote(8, "{512} sequences of ≤ 32 tokens per rollout",
+              ([corr(r, "seq_mis")["n_seqs"] for r in ("vllm:bf16", "vllm:fp16", "vllm:fp32")],)),
+        Quote(8, "the product rule drops {0.20} % of the sequences behind the bf16 rollout and {0.00} % behind fp16",
+              (corr("vllm:bf16", "seq_mis")["frac_seqs_masked"], corr("vllm:fp16", "seq_mis")["frac_seqs_masked"])),
+        Quote(8, "the geometric-mean rule drops {92.6} % (bf16) and {41.8} % (fp16)",
+              (corr("vllm:bf16", "geo_mis")["frac_seqs_masked"], corr("vllm:fp16", "geo_mis")["frac_seqs_masked"])),
+        Quote(8, "drops {68.4} % and {50.4} %",
+              (corr("vllm:bf16", "gspo")["frac_seqs_masked"], corr("vllm:fp16", "gspo")["frac_seqs_masked"])),
     ]
 
 
@@ -327,6 +347,12 @@ CONTEXT = [
     Context(6, "A ≠ {0}", "the advantage's sign"),
     Context(6, "in {10} steps", "the study's steps"),
     Context(7, "{32} prompts × {1} sample × ≤ {32} tokens", "the study's size (study.toml)"),
+    Context(8, "fp{32}", "a dtype name"),
+    Context(8, "of ≤ {32} tokens", "the study's max_tokens (study.toml)"),
+    Context(8, "({3e-4} / {4e-4}", "GSPO's clip range (corrections/defaults.py)"),
+    Context(8, "ratios near {1} multiply to near {1}", "the neutral ratio"),
+    Context(8, "±{0.1} %", "Geo-RS's band as a share"),
+    Context(8, "bf{16} or fp{16}", "dtype names"),
     Context(7, "generated {1}, {8} or {32} requests per vLLM call", "the study's batch sizes (study.toml)"),
     *[Context(7, text, "figure 7 (fig7_batch_invariance, its caption): not analyze output, so not golden")
       for text in ("only {59} % (batch {8}) and {56} % (batch {32}) of the {32} responses",
