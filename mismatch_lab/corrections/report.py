@@ -63,6 +63,9 @@ def tables(vs, tok: pd.DataFrame | None, seq: pd.DataFrame | None, info: pd.Data
     """The comparison's tables from the sums per (label, pair, adv_sign, mu_bucket, category) (`tok`) and per
     (label, pair, adv_sign) (`seq`); None when the store has no finite token."""
     desc = _describe(vs, info)
+    if desc.empty:  # a store without any (rollout, scorer) pair
+        return {"corrections": pd.DataFrame(columns=[*COLUMNS, "n_nonfinite"]),
+                **{name: pd.DataFrame(columns=[*COLUMNS[:5], key, *COLUMNS[5:]]) for name, key in SPLITS.items()}}
     if tok is None:
         tok = pd.DataFrame(columns=["label", "pair", *SPLITS.values(), *TOKEN_SUMS])
         seq = pd.DataFrame(columns=["label", "pair", "adv_sign", "n_seqs", "n_seqs_masked"])

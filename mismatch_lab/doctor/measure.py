@@ -32,7 +32,7 @@ import numpy as np
 import pandas as pd
 
 from mismatch_lab.analysis import definitions as d
-from mismatch_lab.analysis.relations import Filters, query
+from mismatch_lab.analysis.relations import Filters, query, table_columns
 from mismatch_lab.analysis.rows import Rows
 from mismatch_lab.doctor import bands as B
 from mismatch_lab.doctor.stats import slope_ci
@@ -144,7 +144,10 @@ def batch(m: Measurements) -> pd.DataFrame:
 
 
 def skipped(m: Measurements) -> pd.DataFrame:
-    """Prompts skipped as longer than the context, per rollout (0 where none)."""
+    """Prompts skipped as longer than the context, per rollout (0 where none); empty where the store has no
+    skipped_prompts table (a partial export, a recorded or imported run: nothing was skipped by us)."""
+    if not table_columns(m.con, "skipped_prompts"):
+        return pd.DataFrame(columns=["rollout", "n_skipped"])
     return query(m.con, f"""
         SELECT {d.ROLLOUT_LABEL_SQL} AS rollout, count(DISTINCT k.run_id || '/' || k.prompt_id) AS n_skipped
         FROM runs LEFT JOIN skipped_prompts k ON k.run_id = runs.run_id GROUP BY ALL ORDER BY rollout""")

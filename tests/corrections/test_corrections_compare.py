@@ -162,3 +162,18 @@ def test_a_store_without_top_k_reports_those_methods_as_not_computable(tmp_path)
     got = compare(open_store(s.path))["corrections"].set_index("method")
     assert got.loc["dppo_topk_tv", "note"] and math.isnan(got.loc["dppo_topk_tv", "frac_tokens_masked"])
     assert got.loc["dppo_binary_tv", "note"] == "" and got.loc["dppo_binary_tv", "n_tokens"] > 0
+
+
+def test_a_store_without_pairs_gives_empty_tables(tmp_path, capsys):
+    import duckdb
+
+    from mismatch_lab.store.schema import create_schema
+
+    path = tmp_path / "empty.duckdb"
+    con = duckdb.connect(str(path))
+    create_schema(con)
+    con.close()
+    got = compare(open_store(path))
+    assert all(df.empty for df in got.values()) and "frac_tokens_masked" in got["corrections"].columns
+    assert main(["corrections", "--db", str(path)]) == 0
+    assert "nothing to compare" in capsys.readouterr().out
