@@ -81,26 +81,15 @@ class _Accumulator:
     def add(self, chunk: Chunk) -> None:
         tok, gid = _groups(chunk.token_keys())
         seq, sid = _groups(chunk.seq_keys())
-        order = np.argsort(gid, kind="stable")
-        starts = np.searchsorted(gid[order], np.arange(len(tok)))
-        parts = list(chunk.parts())  # laid out once, read by every variant
-        r = _gathered(chunk.n, parts, lambda b: b.r)  # r exactly as the rules compute it
-
-        def count(x, ids=gid, n=None):
-            return np.bincount(ids, weights=x, minlength=len(tok) if n is None else n)
-
-        n_tokens, n_seqs = count(None), count(None, sid, len(seq))
+        parts = list(chunk.parts(gid, len(tok), sid))  # laid out once, read by every variant
+        n_tokens = np.bincount(gid, minlength=len(tok))
+        n_seqs = np.bincount(sid, minlength=len(seq))
         for v in self.vs:
             if "topk" in v.method.needs and chunk.topk is None:
                 continue
-            keep, weight = _run(v, chunk.n, parts)
-            w = np.where(keep, weight, 0.0)
-            self.tokens.append((tok, {
-                "label": v.label, "n_tokens": n_tokens, "n_masked": count(~keep),
-                "n_changed": count(keep & (weight != r)), "s_w": count(w), "s_w2": count(w * w),
-                "x_w": np.maximum.reduceat(np.where(keep, weight, -np.inf)[order], starts)}))
-            kept_any = np.logical_or.reduceat(keep, chunk.seq_start)
-            self.seqs.append((seq, {"label": v.label, "n_seqs": n_seqs, "n_seqs_masked": count(~kept_any, sid, len(seq))}))
+            sums, x_w, dropped = _run(v, parts, len(tok), len(seq))
+            self.tokens.append((tok, {"label": v.label, "n_tokens": n_tokens, **sums, "x_w": x_w}))
+            self.seqs.append((seq, {"label": v.label, "n_seqs": n_seqs, "n_seqs_masked": dropped}))
 
     def tables(self, info) -> dict[str, pd.DataFrame]:
         from mismatch_lab.corrections.report import tables
@@ -124,23 +113,24 @@ def _groups(keys: pd.DataFrame) -> tuple[pd.DataFrame, np.ndarray]:
     return g.size().reset_index()[list(keys.columns)], g.ngroup().to_numpy()
 
 
-def _gathered(n: int, parts: list, fn) -> np.ndarray:
-    """fn(batch) [B, T] of every part, back in the chunk's flat order: [n]."""
-    out = np.empty(n, dtype=np.float64)
-    for part in parts:
-        out[part.index] = part.gather(fn(part.batch))
-    return out
-
-
-def _run(v: Variant, n: int, parts: list) -> tuple[np.ndarray, np.ndarray]:
-    """keep [n] bool and weight [n] of variant v on every token of a chunk (its parts), in flat order."""
+def _run(v: Variant, parts: list, n_groups: int, n_seq_groups: int) -> tuple[dict, np.ndarray, np.ndarray]:
+    """Variant v on every part of a chunk, counted on the padded tensors per token group: n_masked, n_changed
+    (kept with w ≠ r), s_w, s_w2 (kept); x_w the kept maximum per group; and sequences dropped whole per
+    sequence group. Padding cells fall in the extra group n_groups, dropped at the end."""
     import torch
 
-    keep = np.empty(n, dtype=bool)
-    weight = np.empty(n, dtype=np.float64)
+    sums = {k: torch.zeros(n_groups + 1, dtype=torch.float64) for k in ("n_masked", "n_changed", "s_w", "s_w2")}
+    x_w = torch.full((n_groups + 1,), -np.inf, dtype=torch.float64)
+    dropped = torch.zeros(n_seq_groups, dtype=torch.float64)
     for part in parts:
+        b = part.batch
         with torch.no_grad():
-            d = v.method.rule(part.batch, v.params)
-        keep[part.index] = part.gather(d.keep)
-        weight[part.index] = part.gather(d.weight)
-    return keep, weight
+            d = v.method.rule(b, v.params)
+        keep = d.keep
+        w = torch.where(keep, d.weight, 0.0)
+        cells = {"n_masked": b.mask & ~keep, "n_changed": keep & (d.weight != b.r), "s_w": w, "s_w2": w * w}
+        for k, x in cells.items():
+            sums[k] += torch.bincount(part.gid, weights=x.reshape(-1).to(torch.float64), minlength=n_groups + 1)
+        x_w.scatter_reduce_(0, part.gid, torch.where(keep, d.weight, -np.inf).reshape(-1), "amax")
+        dropped += torch.bincount(part.sid, weights=(~keep.any(-1)).to(torch.float64), minlength=n_seq_groups)
+    return {k: t[:n_groups].numpy() for k, t in sums.items()}, x_w[:n_groups].numpy(), dropped.numpy()

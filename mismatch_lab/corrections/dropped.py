@@ -43,7 +43,10 @@ def dropped_tokens(con, method: str, rollout: str, scorer: str, *,
                    "AND scorer = $s ORDER BY run_id, seq_id, pos", params={"r": rollout, "s": scorer}).df()
     parts, offset = [], 0
     for chunk in chunks(con, info, chunk_tokens=chunk_tokens):
-        keep, _ = _run(v, chunk.n, list(chunk.parts()))
+        # each token its own group: the per-group masked count is the token's own mask, in flat order
+        seqs = np.zeros(len(chunk.seq_start), dtype=np.int64)
+        sums, _, _ = _run(v, list(chunk.parts(np.arange(chunk.n), chunk.n, seqs)), chunk.n, 1)
+        keep = sums["n_masked"] == 0
         kept_any = np.logical_or.reduceat(keep, chunk.seq_start)
         seq_dropped = np.repeat(~kept_any, np.diff(np.append(chunk.seq_start, chunk.n)))
         hit = np.flatnonzero(~keep)

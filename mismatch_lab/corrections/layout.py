@@ -64,16 +64,12 @@ def pair_info(con) -> pd.DataFrame:
 
 @dataclass
 class Part:
-    """One padded batch of a chunk: `batch` [B, T]; token i = index[j] of the chunk's flat order sits at
-    flat position flat[j] = row · T + col of the batch's tensors."""
+    """One padded batch of a chunk: `batch` [B, T]; `gid` [B·T] the token group of each cell (padding: the
+    extra group n_groups), `sid` [B] the sequence group of each row."""
 
     batch: object
-    flat: object  # torch.LongTensor [n_part]
-    index: np.ndarray
-
-    def gather(self, x) -> np.ndarray:
-        """The part's tokens of a [B, T] tensor, in `index` order."""
-        return x.reshape(-1)[self.flat].numpy()
+    gid: object  # torch.LongTensor [B * T]
+    sid: object  # torch.LongTensor [B]
 
 
 @dataclass
@@ -109,15 +105,17 @@ class Chunk:
     def seq_keys(self) -> pd.DataFrame:
         return pd.DataFrame({"pair": self.pair, "adv_sign": self.seq_sign()})
 
-    def parts(self) -> Iterator[Part]:
-        """[B, T] batches: sequences grouped by ceil(log2 length) and by whether the advantage is known."""
+    def parts(self, gid: np.ndarray, n_groups: int, sid: np.ndarray) -> Iterator[Part]:
+        """[B, T] batches: sequences grouped by ceil(log2 length) and by whether the advantage is known.
+        gid [n]: each token's group (padding cells get n_groups); sid [S]: each sequence's group."""
         lengths = np.diff(np.append(self.seq_start, self.n))
         known = ~np.isnan(self.adv[self.seq_start])
         group = np.ceil(np.log2(lengths)).astype(np.int64) * 2 + known
         for g in np.unique(group):
-            yield self._part(np.flatnonzero(group == g), lengths, bool(g % 2))
+            seqs = np.flatnonzero(group == g)
+            yield self._part(seqs, lengths, bool(g % 2), gid, n_groups, sid[seqs])
 
-    def _part(self, seqs: np.ndarray, lengths: np.ndarray, known: bool) -> Part:
+    def _part(self, seqs, lengths, known: bool, gid, n_groups: int, sid) -> Part:
         import torch
 
         from mismatch_lab.corrections.batch import Batch
@@ -130,7 +128,7 @@ class Chunk:
         shape = (len(seqs), int(lens.max()))
 
         def grid(values: np.ndarray, fill=0.0) -> torch.Tensor:
-            dtype = torch.bool if values.dtype == bool else torch.float64
+            dtype = {np.dtype(bool): torch.bool, np.dtype(np.int64): torch.int64}.get(values.dtype, torch.float64)
             out = torch.full((*shape, *values.shape[1:]), fill, dtype=dtype)
             out[rows, cols] = torch.from_numpy(values[index])
             return out
@@ -139,8 +137,8 @@ class Chunk:
         mask = grid(np.ones(self.n, dtype=bool), False)
         topk = TopK(*(grid(a) for a in self.topk)) if self.topk is not None else None
         adv = grid(np.nan_to_num(self.adv)) if known else None
-        flat = torch.from_numpy(rows * shape[1] + cols)
-        return Part(Batch(lp=lp, lmu=lmu, la=lmu, lref=lp, mask=mask, adv=adv, topk=topk), flat, index)
+        batch = Batch(lp=lp, lmu=lmu, la=lmu, lref=lp, mask=mask, adv=adv, topk=topk)
+        return Part(batch, grid(gid.astype(np.int64), n_groups).reshape(-1), torch.from_numpy(sid.astype(np.int64)))
 
 
 def _topk_arrays(batch: pa.RecordBatch) -> tuple:
