@@ -13,11 +13,20 @@ with 2 cores) are named once below (`precision_of`, `volatility_of`, ...) and co
 default settings by a background warm-up thread as soon as a store is opened, so the first visit of
 a page usually finds them cached. MISMATCH_LAB_APP_WARMUP=0 turns the warm-up off (the benchmark's
 cold measurements).
+
+Lifetimes. Every query runs on a cursor registered with the thread running it (`_Store.using`), so that
+another thread can interrupt it: DuckDB's `interrupt()` acts on one connection, and a cursor is a
+connection of its own. The warm-up thread stops on request (`_WarmUp.stop`: no further query, the one in
+flight interrupted, the thread joined). A store the cache drops (its TTL, *Reload data*) is closed once
+its queries in flight are done. At process exit `_shutdown` stops every warm-up, interrupts what still
+runs and closes every store: a daemon thread left inside DuckDB at interpreter exit aborts the process
+(`terminate called ...`, exit 134), and DuckDB objects alive then are reported as nanobind leaks.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import html
 import importlib
@@ -25,9 +34,12 @@ import math
 import os
 import sys
 import threading
+import time
+import weakref
 from pathlib import Path
 
 import altair as alt
+import duckdb
 import pandas as pd
 import streamlit as st
 
@@ -41,6 +53,8 @@ ENV_VAR = "MISMATCH_LAB_STUDY"  # set by `mismatch-lab app --study ...`; `-- --s
 TTL_S = 600  # a store is re-read (a new snapshot if a writer holds it) at most this long after it changed
 WORST_N = 50  # the inspector's list of worst sequences
 TOP_CLIPPED_MAX = 100  # the Clipping page's longest list of token strings (one query serves every shorter one)
+WARM_UP_THREAD = "mismatch-lab warm-up"  # the warm-up threads' name prefix
+STOP_TIMEOUT_S = 30.0  # the longest wait for a stopped thread or an interrupted query (one fetch, in practice ms)
 
 
 def study_from_args(argv: list[str] | None = None) -> str | None:
@@ -90,9 +104,140 @@ def sidebar_store_picker() -> None:
         st.cache_resource.clear()
 
 
-@st.cache_resource(ttl=TTL_S, show_spinner="Opening the store…")
-def _connection(path: str):
-    return open_store(path)
+class StoreClosed(RuntimeError):
+    """The store was closed (dropped from the cache, or the process is exiting) before a query could start."""
+
+
+class _Stopped(Exception):
+    """Raised in a warm-up thread that was asked to stop, before its next query."""
+
+
+_STORES: weakref.WeakSet = weakref.WeakSet()  # every open store of this process
+_WARM_UPS: weakref.WeakSet = weakref.WeakSet()  # every warm-up thread started
+
+
+class _Store:
+    """One open store: its read-only connection and the cursors taken from it.
+
+    `using()` lends a cursor to the calling thread and records which thread runs a query on it, so that
+    `interrupt()` reaches queries in flight. `release()` (the cache dropped the store) closes the
+    connection once no query runs on it; `shutdown()` (process exit) refuses new queries, interrupts the
+    running ones, waits for them and closes.
+    """
+
+    def __init__(self, path: str):
+        self.con = open_store(path)
+        self._lock = threading.Lock()
+        self._held: dict[int, object] = {}  # long-lived cursors (a pair's joined rows), closed with the store
+        self._busy: dict[int, tuple[object, threading.Thread]] = {}  # queries in flight: cursor, thread
+        self._released = False
+        self._closing = False
+        _STORES.add(self)
+        # open_store registered the removal of its temporary folders at exit; our shutdown must run first
+        atexit.unregister(_shutdown)
+        atexit.register(_shutdown)
+
+    @property
+    def usable(self) -> bool:
+        return self.con is not None and not self._released and not self._closing
+
+    @property
+    def closing(self) -> bool:
+        """The process is exiting: no new query."""
+        return self._closing
+
+    def held_cursor(self):
+        """A cursor kept beyond one query (closed by `drop` or with the store)."""
+        with self._lock:
+            if self.con is None or self._closing:
+                raise StoreClosed("the store was closed")
+            cur = self.con.cursor()
+            self._held[id(cur)] = cur
+            return cur
+
+    def drop(self, cur) -> None:
+        """Close a cursor of `held_cursor` (no query may be running on it)."""
+        with self._lock:
+            if self._held.pop(id(cur), None) is not None:
+                cur.close()
+
+    @contextlib.contextmanager
+    def using(self, cur=None):
+        """A cursor for this thread's queries: `cur` (one of `held_cursor`) or a fresh one, closed after."""
+        thread = threading.current_thread()
+        with self._lock:
+            if isinstance(thread, _WarmUp) and thread.stopping:
+                raise _Stopped
+            if self.con is None or self._closing or (cur is not None and id(cur) not in self._held):
+                raise StoreClosed("the store was closed")
+            own = cur is None
+            if own:
+                cur = self.con.cursor()
+            self._busy[id(cur)] = (cur, thread)
+        try:
+            yield cur
+        finally:
+            with self._lock:
+                del self._busy[id(cur)]
+                if own:
+                    cur.close()
+                idle = not self._busy
+            if idle and self._released:
+                self._close()
+
+    def interrupt(self, thread: threading.Thread | None = None) -> int:
+        """Interrupt the queries in flight (of `thread` only, if given); returns how many were running."""
+        with self._lock:
+            running = [cur for cur, t in self._busy.values() if thread is None or t is thread]
+            for cur in running:
+                cur.interrupt()
+        return len(running)
+
+    def release(self) -> None:
+        """Dropped from the cache: close once the queries in flight are done (the cache's `on_release`)."""
+        with self._lock:
+            self._released = True
+            idle = not self._busy
+        if idle:
+            self._close()
+
+    def shutdown(self, timeout: float = STOP_TIMEOUT_S) -> None:
+        """Refuse new queries, interrupt the running ones, wait for them, close."""
+        with self._lock:
+            self._closing = True
+        deadline = time.monotonic() + timeout
+        while self.interrupt() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if not self._busy:
+            self._close()
+
+    def _close(self) -> None:
+        with self._lock:
+            if self._busy or self.con is None:
+                return
+            con, self.con = self.con, None
+            held, self._held = list(self._held.values()), {}
+        for cur in held:
+            with contextlib.suppress(duckdb.Error):
+                cur.close()
+        con.close()
+
+
+@st.cache_resource(ttl=TTL_S, show_spinner="Opening the store…", on_release=_Store.release)
+def _connection(path: str) -> _Store:
+    return _Store(path)
+
+
+def _on_store(path: str, work):
+    """`work(cursor)` on the open store of `path`; again on a fresh store if *Reload data* closed it meanwhile."""
+    for attempt in range(2):
+        store_ = _connection(path)
+        try:
+            with store_.using() as cur:
+                return work(cur)
+        except StoreClosed:
+            if attempt or store_.closing:
+                raise
 
 
 def store() -> str:
@@ -118,8 +263,7 @@ def store() -> str:
 @st.cache_data(ttl=TTL_S, show_spinner="Querying…", max_entries=512)
 def _cached(path: str, module: str, name: str, args: tuple, kwargs: tuple):
     fn = getattr(importlib.import_module(module), name)
-    with _connection(path).cursor() as cur:
-        return fn(cur, *args, **dict(kwargs))
+    return _on_store(path, lambda cur: fn(cur, *args, **dict(kwargs)))
 
 
 def _call(path: str, fn, *args, **kwargs):
@@ -142,32 +286,55 @@ class _PairRows:
     """One pair's rollout rows joined once into a temporary table on a cursor of their own (the join of
     tokens and scores is most of a volatility pass), so that every bucketing of the pair -- a new bucket
     count, scale or ε -- is a GROUP BY over that table instead of a new join. A lock serialises the
-    sessions that share it (a DuckDB cursor must not be used by two threads at once)."""
+    sessions that share it (a DuckDB cursor must not be used by two threads at once). The temporary table
+    lives as long as its cursor: closed when the cache drops the pair, or with the store."""
 
-    def __init__(self, path: str, rollout: str, scorer: str):
+    def __init__(self, store_: _Store, rollout: str, scorer: str):
         from mismatch_lab.analysis.relations import Filters
         from mismatch_lab.analysis.rows import Rows
 
         self.lock = threading.Lock()
-        self.cursor = _connection(path).cursor()
-        self.rows = Rows(self.cursor, Filters.make(rollout, scorer), materialize=True)
+        self.store = store_
+        self.cursor = store_.held_cursor()
+        try:
+            with store_.using(self.cursor) as cur:  # the join: the long query, interruptible like any other
+                self.rows = Rows(cur, Filters.make(rollout, scorer), materialize=True)
+        except BaseException:
+            store_.drop(self.cursor)
+            raise
 
-    def __del__(self):  # the temporary table lives as long as its cursor
-        with contextlib.suppress(Exception):  # interpreter shutdown: the connection may be gone
-            self.cursor.close()
+    def close(self) -> None:
+        with self.lock:
+            self.store.drop(self.cursor)
+            self.rows = self.cursor = None  # no DuckDB object outlives the pair's release
 
 
-@st.cache_resource(ttl=TTL_S, show_spinner="Joining the pair's tokens…", max_entries=64)
+@st.cache_resource(
+    ttl=TTL_S,
+    show_spinner="Joining the pair's tokens…",
+    max_entries=64,
+    validate=lambda pair: pair.store.usable,  # joined on a store the cache has dropped since: join again
+    on_release=_PairRows.close,
+)
 def _pair_rows(path: str, rollout: str, scorer: str) -> _PairRows:
-    return _PairRows(path, rollout, scorer)
+    return _PairRows(_connection(path), rollout, scorer)
 
 
 @st.cache_data(ttl=TTL_S, show_spinner="Querying…", max_entries=512)
 def _volatility(path: str, rollout: str, scorer: str, buckets: str, n_buckets: int, eps_low: float, eps_high: float):
-    pair = _pair_rows(path, rollout, scorer)
-    with pair.lock:
-        return volatility.volatility_table(pair.cursor, rollout=rollout, scorer=scorer, buckets=buckets,
-                                           n_buckets=n_buckets, eps_low=eps_low, eps_high=eps_high, _rows=pair.rows)
+    for attempt in range(2):
+        pair = _pair_rows(path, rollout, scorer)
+        try:
+            with pair.lock:
+                if pair.cursor is None:  # released between the look-up and the lock
+                    raise StoreClosed("the pair was released")
+                with pair.store.using(pair.cursor) as cur:
+                    return volatility.volatility_table(cur, rollout=rollout, scorer=scorer, buckets=buckets,
+                                                       n_buckets=n_buckets, eps_low=eps_low, eps_high=eps_high,
+                                                       _rows=pair.rows)
+        except StoreClosed:  # *Reload data* closed the pair's store between the look-up and the query
+            if attempt or pair.store.closing:
+                raise
 
 
 def volatility_of(
@@ -215,12 +382,55 @@ def _warm(path: str) -> None:
         worst_of(scorer, path=path)
 
 
-@st.cache_resource(ttl=TTL_S, show_spinner=False)
-def _warm_up(path: str) -> threading.Thread:
+class _WarmUp(threading.Thread):
+    """The warm-up of one store: a daemon thread that `stop()` ends within moments, even mid-query."""
+
+    def __init__(self, path: str):
+        super().__init__(target=_warm, args=(path,), name=f"{WARM_UP_THREAD} {path}", daemon=True)
+        self.stopping = False
+        _WARM_UPS.add(self)
+
+    def run(self) -> None:
+        try:
+            super().run()
+        except Exception:  # _Stopped, duckdb.InterruptException, StoreClosed: expected once stopping
+            if not self.stopping:
+                raise
+
+    def stop(self, timeout: float = STOP_TIMEOUT_S) -> bool:
+        """No further query; the one in flight interrupted; joined. True when the thread has ended."""
+        self.stopping = True
+        if threading.current_thread() is self:
+            return False
+        deadline = time.monotonic() + timeout
+        while self.is_alive() and time.monotonic() < deadline:
+            # again and again: DuckDB forgets an interrupt that lands before its query has started
+            for store_ in list(_STORES):
+                store_.interrupt(self)
+            self.join(0.05)
+        return not self.is_alive()
+
+
+@st.cache_resource(ttl=TTL_S, show_spinner=False, on_release=_WarmUp.stop)
+def _warm_up(path: str) -> _WarmUp:
     """Start the warm-up of one store once per TTL (the thread is the cached resource)."""
-    thread = threading.Thread(target=_warm, args=(path,), name=f"mismatch-lab warm-up {path}", daemon=True)
+    thread = _WarmUp(path)
     thread.start()
     return thread
+
+
+def _shutdown() -> None:
+    """At process exit (atexit): stop and join the warm-ups, interrupt the queries still running, close
+    every store. Registered again whenever a store opens, so that it runs before the removal of the
+    store's temporary folders (atexit runs last-registered first)."""
+    for thread in list(_WARM_UPS):
+        thread.stop()
+    for store_ in list(_STORES):
+        store_.shutdown()
+    # Drop what the caches hold, closed cursors included: the caches outlive this handler, and DuckDB
+    # objects still alive when the interpreter finalises are reported as leaks ("nanobind: leaked ...").
+    for cached in (_pair_rows, _warm_up, _connection):
+        cached.clear()
 
 
 def shown(value) -> str:

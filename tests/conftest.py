@@ -86,18 +86,6 @@ def signalled_cli():
     return start
 
 
-@pytest.fixture(autouse=True, scope="session")
-def _join_app_warm_up_threads():
-    """The app warms its caches in daemon threads; one still inside a DuckDB query when the interpreter
-    exits aborts the process (exit 134). Join them before the session ends."""
-    import threading
-
-    yield
-    for thread in threading.enumerate():
-        if thread.name.startswith("mismatch-lab warm-up"):
-            thread.join(timeout=120)
-
-
 def pytest_collection_modifyitems(config, items):
     """TRL's colocated engine, when freed, tears down vLLM's process-wide parallel state, which breaks
     every in-process engine made before it (`pipeline model parallel group is not initialized`): the TRL
