@@ -27,8 +27,12 @@ __all__ = ["CollectConfig", "TokenTexts", "add_arguments", "build_tables", "coll
 
 def __getattr__(name: str):
     """The heavier parts on first use: `from mismatch_lab.collect import collect, build_tables, ...` still works."""
-    homes = {"collect": "job", "_device_name": "job", "_load_tokenizer": "job", "build_tables": "tables",
+    homes = {"collect": "job", "_load_tokenizer": "job", "build_tables": "tables",
              "prefill_scores": "tables", "fill_rewards": "summary", "print_summary": "summary"}
+    if name == "_device_name":  # moved to mismatch_lab.runtime; kept for old imports
+        from mismatch_lab.runtime import device_name
+
+        return device_name
     if name not in homes:
         raise AttributeError(f"module 'mismatch_lab.collect' has no attribute {name!r}")
     import importlib

@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import platform
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -26,6 +25,9 @@ from mismatch_lab.collect.prompts import (
     sample_seed,
 )
 from mismatch_lab.errors import UserError
+from mismatch_lab.runtime import device_name, load_model_info
+from mismatch_lab.runtime import load_tokenizer as _load_tokenizer  # noqa: F401  (re-exported)
+from mismatch_lab.runtime import versions as runtime_versions
 
 
 @dataclass
@@ -97,43 +99,8 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def _load_tokenizer(model: str, trust_remote_code: bool):
-    """(tokenizer, the model's context length or None); the train loop imports it."""
-    tok, conf = load_model_info(model, trust_remote_code)
-    return tok, conf.get("max_position_embeddings")
-
-
-def load_model_info(model: str, trust_remote_code: bool):
-    """(tokenizer, HF config as a dict): read before any weights, for the prompts and the memory plan."""
-    from transformers import AutoConfig, AutoTokenizer
-
-    try:
-        conf = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
-        tok = AutoTokenizer.from_pretrained(model, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as exc:
-        raise UserError(f"--model {model}: cannot load config/tokenizer ({str(exc).splitlines()[0]}); "
-                        "pass a complete HF checkpoint directory, 'default', or a hub id with network access") from exc
-    return tok, conf.to_dict()
-
-
 def _file_sha(path: str) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
-
-
-def _device_name(device: str) -> str:
-    if device.startswith("cuda"):
-        import torch
-
-        return f"cuda ({torch.cuda.get_device_name(torch.device(device))})"
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"cpu ({cpu}, {os.cpu_count()} cores)"
 
 
 # --------------------------------------------------------------------------------------------------- plan
@@ -253,24 +220,13 @@ def run_chunks(job: Job, plan, writer, pending: list[PendingRun], *, progress: b
 
 
 def _start_run(job: Job, writer, run: PendingRun, engine, work) -> None:
-    import duckdb
-    import torch
-    import transformers
-
-    versions = {"python": sys.version.split()[0], "torch": torch.__version__, "transformers": transformers.__version__,
-                "duckdb": duckdb.__version__}
-    try:  # recorded whenever vLLM is installed, also for an HF-only run
-        from mismatch_lab.engines.vllm_engine import _import_vllm
-
-        versions["vllm"] = _import_vllm().__version__
-    except UserError:
-        pass
+    versions = runtime_versions()
     run.run_cfg = dict(run.run_cfg, sampling=engine.sampling_config(), scorer=work.scorer_config(),
                        vllm_scorers=[f"vllm:{d}" for d in job.vllm_dtypes], chunks=len(job.chunks),
                        memory_plan=work.plan.lines() if work.plan else None)
     writer.start_run(run.run_id, study=job.cfg.study, kind="collect", model=job.model,
                      weights_sha256=run.run_cfg["weights_sha256"], engine=job.cfg.engine, engine_dtype=run.dtype,
-                     device=_device_name(job.device), versions=versions, config=run.run_cfg)
+                     device=device_name(job.device), versions=versions, config=run.run_cfg)
 
 
 def _one_chunk(job: Job, writer, run: PendingRun, c: int, engine, work, texts) -> int:

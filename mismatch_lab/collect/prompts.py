@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
 from mismatch_lab.errors import UserError
+from mismatch_lab.runtime import (  # re-exported: their home is mismatch_lab.runtime
+    encode_prompts,
+    sample_seed,
+)
+
+__all__ = ["encode_prompts", "make_chunks", "read_prompts", "sample_seed"]
 
 
 def read_prompts(path: str) -> list[dict]:
@@ -36,26 +41,6 @@ def read_prompts(path: str) -> list[dict]:
     if not out:
         raise UserError(f"--prompts {path}: the file holds no prompts")
     return out
-
-
-def encode_prompts(tokenizer, prompts: list[dict]) -> tuple[list[list[int]], bool]:
-    """Token ids of each prompt with the model's chat template (raw text when it has none)."""
-    has_template = bool(getattr(tokenizer, "chat_template", None))
-    ids = []
-    for p in prompts:
-        if has_template:
-            text = tokenizer.apply_chat_template([{"role": "user", "content": p["prompt"]}], tokenize=False,
-                                                 add_generation_prompt=True)
-        else:
-            text = p["prompt"]
-        ids.append(tokenizer(text, add_special_tokens=not has_template)["input_ids"])
-    return ids, has_template
-
-
-def sample_seed(seed: int, prompt_index: int, sample_idx: int) -> int:
-    """A per-sample seed independent of batching, so resumed runs regenerate the same samples."""
-    h = hashlib.sha256(f"{seed}/{prompt_index}/{sample_idx}".encode()).digest()
-    return int.from_bytes(h[:4], "little") & 0x7FFFFFFF
 
 
 def make_chunks(keep: list[int], prompt_ids: list[list[int]], *, samples: int, max_tokens: int, budget: int,

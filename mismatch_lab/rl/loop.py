@@ -176,10 +176,9 @@ def coerce(cfg: TrainConfig) -> TrainConfig:
 
 # ------------------------------------------------------------------------------------------------------
 def _pad(rows: list[list], fill, dtype):
-    import torch
+    from mismatch_lab.rl.step import pad
 
-    width = max((len(r) for r in rows), default=0)
-    return torch.tensor([list(r) + [fill] * (width - len(r)) for r in rows], dtype=dtype)
+    return pad(rows, fill, dtype)
 
 
 def response_logps(model, prompt_ids, response_ids, topk_ids=None, *, trainer_dtype: str):
@@ -192,19 +191,17 @@ def response_logps(model, prompt_ids, response_ids, topk_ids=None, *, trainer_dt
     """
     import torch
 
+    from mismatch_lab.scoring.positions import response_rows
+
     B = len(prompt_ids)
     full = [list(p) + list(r) for p, r in zip(prompt_ids, response_ids)]
     ids = _pad(full, 0, torch.long)
     attn = _pad([[1] * len(f) for f in full], 0, torch.long)
     T = max((len(r) for r in response_ids), default=0)
-    rb, rt, tb, tt, tgt = [], [], [], [], []
-    for b, (p, r) in enumerate(zip(prompt_ids, response_ids)):
-        for j, tok in enumerate(r):  # position p predicts token p + 1
-            rb.append(b)
-            rt.append(len(p) + j - 1)
-            tb.append(b)
-            tt.append(j)
-            tgt.append(tok)
+    b_np, pos_np = response_rows([len(p) for p in prompt_ids], [len(r) for r in response_ids])  # p predicts p + 1
+    rb, rt, tb = b_np.tolist(), pos_np.tolist(), b_np.tolist()
+    tt = [j for r in response_ids for j in range(len(r))]
+    tgt = [tok for r in response_ids for tok in r]
     dev = next(model.parameters()).device
     h = model.get_decoder()(input_ids=ids.to(dev), attention_mask=attn.to(dev)).last_hidden_state
     h = h[torch.tensor(rb, device=dev), torch.tensor(rt, device=dev)]  # [N, H]
@@ -257,22 +254,6 @@ def step_arrays(samples, seq_rows, logp_mu, logp_before, entropy, mask, adv, rew
                       entropy=entropy.float().numpy(), sequence_columns=extra)
 
 
-def _combine(per_mb: list[dict]) -> dict[str, float]:
-    """Mini-batch metrics into one row: /max -> max, /min -> min, /count -> sum, anything else -> mean."""
-    out = {}
-    for k in per_mb[0]:
-        vals = [m[k] for m in per_mb if k in m]
-        if k.endswith("/max"):
-            out[k] = max(vals)
-        elif k.endswith("/min"):
-            out[k] = min(vals)
-        elif k.endswith("/count"):
-            out[k] = float(sum(vals))
-        else:
-            out[k] = sum(vals) / len(vals)
-    return out
-
-
 # ------------------------------------------------------------------------------------------------------
 def _checkpoint_path(cfg: TrainConfig, run_id: str) -> Path:
     return Path(cfg.out) / run_id / "checkpoint.pt"
@@ -315,6 +296,69 @@ def problems_for_step(cfg: TrainConfig, step: int):
 
 
 # ------------------------------------------------------------------------------------------------------
+def _load_trainer(cfg: TrainConfig, model_path: str, ckpt_path: Path):
+    """(model, optimizer, start step): the HF trainer at `trainer_dtype`, restored from the checkpoint if any."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from mismatch_lab.engines.base import TORCH_DTYPES
+
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, TORCH_DTYPES[cfg.trainer_dtype]))
+    model.train()
+    # dropout-free decoders: the loss must see the same π as the no-grad re-score, so dropout is switched off
+    for mod in model.modules():
+        if isinstance(mod, torch.nn.Dropout):
+            mod.p = 0.0
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    if not ckpt_path.is_file():
+        return model, optimizer, 0
+    state = torch.load(ckpt_path, map_location="cpu", weights_only=False)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    torch.set_rng_state(state["torch_rng"])
+    random.setstate(state["python_rng"])
+    return model, optimizer, int(state["step"])
+
+
+def _start_run(cfg: TrainConfig, writer, run_id: str, model_path: str, engine, scorer: str) -> None:
+    import torch
+
+    from mismatch_lab.models import weights_sha256
+    from mismatch_lab.runtime import device_name, versions
+
+    run_cfg = dict(asdict(cfg), loss_config=asdict(cfg.loss_config()), model_resolved=model_path, run_kind="train",
+                   sampling=engine.sampling_config(), scorer=scorer,
+                   problems_seed="seed * 1000003 + step", rollout_seed="sample_seed(seed, step * prompts + p, s)")
+    writer.start_run(run_id, study=cfg.study, kind="train", model=model_path, weights_sha256=weights_sha256(model_path),
+                     engine="vllm", engine_dtype=cfg.rollout_dtype,
+                     device=device_name("cuda" if torch.cuda.is_available() else "cpu"), versions=versions(),
+                     config=run_cfg)
+
+
+def run_step(cfg: TrainConfig, ctx: dict, step: int) -> dict[str, float]:
+    """One step, rollout to commit (see the module docstring); returns its metrics."""
+    from mismatch_lab.rl import step as parts
+
+    t_step = time.perf_counter()
+    times: dict[str, float] = {}
+    with parts.timed(times, "rollout"):
+        batch = parts.rollout_batch(cfg, ctx["engine"], ctx["tokenizer"], ctx["task"], step, top_k=cfg.topk)
+    scored = parts.train_on_batch(ctx["model"], ctx["optimizer"], batch, cfg, ctx["loss_cfg"], topk=ctx["use_topk"],
+                                  times=times)
+    with parts.timed(times, "rescore"):
+        bad = parts.rescore(ctx["model"], batch, scored.logp_before, trainer_dtype=cfg.trainer_dtype,
+                            delta=cfg.bad_update_delta)
+    with parts.timed(times, "sync"):
+        parts.sync_weights(ctx["engine"], ctx["model"])
+    times["time/step/seconds"] = time.perf_counter() - t_step
+    metrics = parts.step_metrics(batch, scored, bad, times, lr=cfg.lr)
+    parts.write_step(ctx["writer"], ctx["run_id"], step, batch, scored, metrics, scorer=ctx["scorer"],
+                     texts=ctx["texts"], seconds=time.perf_counter() - t_step)
+    return metrics
+
+
 def train(cfg: TrainConfig, *, progress: bool = True, log=None) -> str:
     """Run (or resume) the training run described by `cfg`; returns its run id.
 
@@ -322,61 +366,27 @@ def train(cfg: TrainConfig, *, progress: bool = True, log=None) -> str:
     """
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # vLLM's environment is set by _import_vllm
     cfg.validate()
-    import numpy as np
-    import torch
     import transformers
-    from transformers import AutoModelForCausalLM
 
-    from mismatch_lab.collect import (
-        _device_name,
-        _load_tokenizer,
-        encode_prompts,
-        sample_seed,
-    )
     from mismatch_lab.corrections.registry import OBJECTIVES
-    from mismatch_lab.engines.base import TORCH_DTYPES, GenRequest, make_engine
-    from mismatch_lab.models import resolve_model, weights_sha256
+    from mismatch_lab.engines.base import make_engine
+    from mismatch_lab.models import resolve_model
     from mismatch_lab.record.flat import TextLookup
-    from mismatch_lab.record.tables import step_tables
-    from mismatch_lab.rl.advantages import group_advantages
-    from mismatch_lab.rl.losses import TopK, bad_update_metrics, policy_loss
     from mismatch_lab.rl.tasks import TASKS
+    from mismatch_lab.runtime import load_tokenizer
     from mismatch_lab.store.writer import StoreWriter
 
     transformers.utils.logging.disable_progress_bar()
-    task = TASKS[cfg.task]
-    loss_cfg = cfg.loss_config()
     model_path = resolve_model(cfg.model)
-    tokenizer, model_ctx = _load_tokenizer(model_path, False)
+    tokenizer, model_ctx = load_tokenizer(model_path)
     run_id = cfg.run_id()
     ckpt_path = _checkpoint_path(cfg, run_id)
-    scorer_name = f"hf:{cfg.trainer_dtype}"
-    use_topk = "topk" in OBJECTIVES[cfg.loss].needs
-
     writer = StoreWriter(cfg.db)
     if writer.run_status(run_id) == "complete" and max(writer.done_chunks(run_id), default=0) >= cfg.steps:
         print(f"{run_id}: already complete, nothing to do", file=sys.stderr)
         writer.close()
         return run_id
-
-    torch.manual_seed(cfg.seed)
-    random.seed(cfg.seed)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, TORCH_DTYPES[cfg.trainer_dtype]))
-    model.train()
-    # dropout-free decoders: train() only matters for models with dropout; the loss must see the same π
-    # as the no-grad re-score, so dropout is switched off explicitly
-    for mod in model.modules():
-        if isinstance(mod, torch.nn.Dropout):
-            mod.p = 0.0
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    start = 0
-    if ckpt_path.is_file():
-        state = torch.load(ckpt_path, map_location="cpu", weights_only=False)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        torch.set_rng_state(state["torch_rng"])
-        random.setstate(state["python_rng"])
-        start = int(state["step"])
+    model, optimizer, start = _load_trainer(cfg, model_path, ckpt_path)
     if start >= cfg.steps:  # the checkpoint already covers the requested steps: no engine needed
         _delete_steps_after(writer.con, run_id, cfg.steps)
         writer.set_status(run_id, "complete")
@@ -386,132 +396,17 @@ def train(cfg: TrainConfig, *, progress: bool = True, log=None) -> str:
     if start or redone:
         print(f"{run_id}: resuming after step {start} (checkpoint {ckpt_path if start else 'none'}); "
               f"{redone} committed step(s) after it are redone", file=sys.stderr)
-
-    max_len = min(2048, model_ctx or 2048)
-    engine = make_engine("vllm", model_path, cfg.rollout_dtype, seed=cfg.seed, max_model_len=max_len,
+    engine = make_engine("vllm", model_path, cfg.rollout_dtype, seed=cfg.seed, max_model_len=min(2048, model_ctx or 2048),
                          kv_cache_bytes=cfg.kv_cache_mb << 20, max_logprobs=20)
-    if start:
-        engine.load_state_dict(model.state_dict())  # the rollout policy is the checkpoint's, not the base model
-    versions = {"python": sys.version.split()[0], "torch": torch.__version__, "transformers": transformers.__version__}
-    import duckdb
-
-    versions["duckdb"] = duckdb.__version__
-    run_cfg = dict(asdict(cfg), loss_config=asdict(loss_cfg), model_resolved=model_path, run_kind="train",
-                   sampling=engine.sampling_config(), scorer=scorer_name,
-                   problems_seed="seed * 1000003 + step", rollout_seed="sample_seed(seed, step * prompts + p, s)")
-    writer.start_run(run_id, study=cfg.study, kind="train", model=model_path, weights_sha256=weights_sha256(model_path),
-                     engine="vllm", engine_dtype=cfg.rollout_dtype, device=_device_name("cpu" if not torch.cuda.is_available() else "cuda"),
-                     versions=versions, config=run_cfg)
-    text_lookup = TextLookup(tokenizer)
-    G = cfg.samples_per_prompt
+    ctx = {"engine": engine, "tokenizer": tokenizer, "task": TASKS[cfg.task], "model": model, "optimizer": optimizer,
+           "loss_cfg": cfg.loss_config(), "use_topk": "topk" in OBJECTIVES[cfg.loss].needs, "writer": writer,
+           "run_id": run_id, "scorer": f"hf:{cfg.trainer_dtype}", "texts": TextLookup(tokenizer)}
     try:
+        if start:
+            sync_weights(engine, model)  # the rollout policy is the checkpoint's, not the base model
+        _start_run(cfg, writer, run_id, model_path, engine, ctx["scorer"])
         for step in range(start + 1, cfg.steps + 1):
-            t_step = time.perf_counter()
-            times = {}
-            # -- 1-2. problems and rollout ----------------------------------------------------------------
-            t0 = time.perf_counter()
-            problems = problems_for_step(cfg, step)
-            prompts = [{"id": p.id, "prompt": p.prompt} for p in problems]
-            p_ids, _ = encode_prompts(tokenizer, prompts)
-            reqs, seq_rows = [], []
-            for pi, prob in enumerate(problems):
-                for s in range(G):
-                    reqs.append(GenRequest(prompt_ids=p_ids[pi],
-                                           seed=sample_seed(cfg.seed, (step - 1) * cfg.prompts_per_step + pi, s)))
-                    seq_rows.append({"seq_id": ((step - 1) * cfg.prompts_per_step + pi) * G + s, "prompt_id": prob.id,
-                                     "sample_idx": s, "prompt_len": len(p_ids[pi])})
-            samples = engine.generate(reqs, max_tokens=cfg.max_tokens, top_k=loss_cfg.topk)
-            times["time/rollout/seconds"] = time.perf_counter() - t0
-            # -- 3. rewards and advantages ------------------------------------------------------------------
-            rewards = [task.reward(smp.text, problems[i // G].answer) for i, smp in enumerate(samples)]
-            adv, adv_metrics = group_advantages(torch.tensor(rewards), G, normalize_std=cfg.normalize_std)
-            for row, r, a in zip(seq_rows, rewards, adv.tolist()):
-                row["reward"], row["advantage"] = r, a
-            resp = [smp.token_ids for smp in samples]
-            mu_rows = [[x if math.isfinite(x) else -math.inf for x in smp.logps] for smp in samples]
-            logp_mu = _pad(mu_rows, 0.0, torch.float32)
-            mask = _pad([[True] * len(r) for r in resp], False, torch.bool)
-            tk_ids = [smp.topk_ids for smp in samples] if use_topk else None
-            # -- 4-5. score with gradients and update, per mini-batch ------------------------------------
-            n = len(samples)
-            mb = n // cfg.minibatches
-            loss_metrics, grad_norms = [], []
-            logp_before = torch.zeros_like(logp_mu)
-            entropy = torch.zeros_like(logp_mu)
-            t_score = t_update = t_loss = 0.0
-            for m in range(cfg.minibatches):
-                sl = slice(m * mb, (m + 1) * mb)
-                T_m = max((len(r) for r in resp[sl]), default=0)
-                t0 = time.perf_counter()
-                # each mini-batch is its own optimizer step with its own divisor (no cross-batch denominator)
-                lp, ent, tk_lp, tk_valid = response_logps(
-                    model, [p_ids[i // G] for i in range(sl.start, sl.stop)], resp[sl],
-                    tk_ids[sl] if tk_ids else None, trainer_dtype=cfg.trainer_dtype)
-                logp_before[sl, :T_m] = lp.detach()
-                entropy[sl, :T_m] = ent
-                topk = None
-                if use_topk:
-                    tk_mu = _pad([[row + [0.0] * (tk_lp.shape[-1] - len(row)) for row in seq]
-                                  for seq in (samples[i].topk_logps for i in range(sl.start, sl.stop))],
-                                 [0.0] * tk_lp.shape[-1], torch.float32)
-                    topk = TopK(anchor_logps=tk_mu.nan_to_num(0.0), logps=tk_lp, valid=tk_valid)
-                t_l = time.perf_counter()
-                loss, lm = policy_loss(cfg.loss, lp, logp_mu[sl, :T_m], adv[sl], mask[sl, :T_m], cfg=loss_cfg,
-                                       topk=topk, logp_old=lp.detach() if cfg.anchor == "old" else None)
-                t_loss += time.perf_counter() - t_l
-                t_score += time.perf_counter() - t0
-                t0 = time.perf_counter()
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                gn = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-                optimizer.step()
-                t_update += time.perf_counter() - t0
-                loss_metrics.append(lm)
-                grad_norms.append(float(gn))
-            times["time/score/seconds"] = t_score
-            times["time/update/seconds"] = t_update
-            times["time/loss/seconds"] = t_loss  # policy_loss forward only (inside time/score): the objective's own cost
-            # -- 6. re-score after the step (no grad): bad updates ----------------------------------------
-            t0 = time.perf_counter()
-            with torch.no_grad():
-                lp_after, _, _, _ = response_logps(model, [p_ids[i // G] for i in range(n)], resp,
-                                                   trainer_dtype=cfg.trainer_dtype)
-            T = logp_mu.shape[1]
-            bad = bad_update_metrics(lp_after[:, :T], logp_mu, adv, mask, delta=cfg.bad_update_delta)
-            bad_pi = bad_update_metrics(lp_after[:, :T], logp_before, adv, mask, delta=cfg.bad_update_delta)
-            times["time/rescore/seconds"] = time.perf_counter() - t0
-            # -- 7. push the new weights into the rollout engine --------------------------------------------
-            t0 = time.perf_counter()
-            engine.load_state_dict(model.state_dict())
-            times["time/sync/seconds"] = time.perf_counter() - t0
-            # -- 8. one atomic write: sequences, tokens, scores and metrics of this step --------------------
-            maskf = mask.float()
-            n_tok = float(maskf.sum())
-            metrics = dict(_combine(loss_metrics))
-            metrics.update(adv_metrics)
-            metrics.update({
-                "reward/accuracy/mean": sum(r == 1.0 for r in rewards) / n,
-                "response/length/mean": n_tok / n,
-                "response/length/max": float(max(len(r) for r in resp)),
-                "response/truncated/frac": sum(smp.finish_reason == "length" for smp in samples) / n,
-                "entropy/mean": float((entropy * maskf).sum() / max(n_tok, 1.0)),
-                "grad/norm/value": sum(grad_norms) / len(grad_norms),
-                "grad/norm/max": max(grad_norms),
-                "lr/value": cfg.lr,
-            })
-            metrics.update(bad)
-            metrics.update({k.replace("bad_update/", "bad_update_vs_pi/"): v for k, v in bad_pi.items()})
-            times["time/step/seconds"] = time.perf_counter() - t_step
-            metrics.update(times)
-            # the step's rows come from the Recorder's row builder (one way to turn a step into rows); the
-            # loop writes them into its DuckDB store in one transaction with the metrics (resume unit = step)
-            tables = step_tables(run_id, step, np.array([r["seq_id"] for r in seq_rows], dtype=np.int64),
-                                 step_arrays(samples, seq_rows, logp_mu, logp_before, entropy, mask, adv, rewards),
-                                 scorer_name, texts=text_lookup)
-            seqs, toks, scs = tables["sequences"], tables["tokens"], tables["scores"]
-            writer.write_chunk(run_id, step, sequences=seqs, tokens=toks, scores=scs,
-                               seconds=time.perf_counter() - t_step,
-                               metrics=[(step, k, float(v)) for k, v in sorted(metrics.items())])
+            metrics = run_step(cfg, ctx, step)
             if step % cfg.checkpoint_every == 0 or step == cfg.steps:
                 save_checkpoint(ckpt_path, model, optimizer, step)
             if log is not None:
@@ -525,3 +420,9 @@ def train(cfg: TrainConfig, *, progress: bool = True, log=None) -> str:
         engine.close()
         writer.close()
     return run_id
+
+
+def sync_weights(engine, model) -> None:
+    from mismatch_lab.rl.step import sync_weights as push
+
+    push(engine, model)
