@@ -253,9 +253,10 @@ def test_the_warm_up_computes_exactly_what_the_pages_ask_for(monkeypatch, own_st
         counting(module, name)
     lab_ui._warm(str(own_store))  # what the background thread runs
     warmed = dict(calls)
-    # 3 pairs: volatility linear + log, clipping and top tokens each; worst sequences overall + per scorer
+    # 3 pairs: volatility linear + log, clipping and top tokens each; worst sequences overall + per scorer;
+    # the precision table twice: the Overview's table and the Doctor section's checks
     assert warmed == {
-        "precision_table": 1,
+        "precision_table": 2,
         "volatility_table": 6,
         "clipping_by_category": 3,
         "top_clipped_tokens": 3,
