@@ -33,6 +33,12 @@ _HELP = {
     "db": "DuckDB file (default: studies/<name>/<name>.duckdb with --study, else runs/train.duckdb)",
     "out": "checkpoint directory (default runs/, git-ignored)",
     "minibatches": "optimizer steps per rollout batch (default 1: on-policy up to the mismatch)",
+    "preset": "named recipe: none (default), dr_grpo (no std normalisation, constant normaliser = max tokens), "
+              "dapo (dynamic sampling, eps-high 0.28, token-mean, overlong cache = max tokens / 5)",
+    "dynamic_sampling": "DAPO dynamic sampling: drop groups whose rewards are all equal and sample more (default false)",
+    "max_rounds": "dynamic sampling: at most this many generation rounds per step (default 4)",
+    "overlong_cache": "DAPO soft overlong punishment: L_cache in tokens (default 0 = off)",
+    "overlong_max": "DAPO soft overlong punishment: L_max in tokens (default 0 = max tokens)",
 }
 
 
@@ -64,8 +70,9 @@ def add_arguments(parser) -> None:
 
 def _choices(name: str):
     from mismatch_lab.corrections.registry import CORRECTIONS, OBJECTIVES
+    from mismatch_lab.rl.recipes import PRESETS
 
-    return {"loss": list(OBJECTIVES), "correction": list(CORRECTIONS)}.get(name)
+    return {"loss": list(OBJECTIVES), "correction": list(CORRECTIONS), "preset": list(PRESETS)}.get(name)
 
 
 def load_config(args) -> TrainConfig:

@@ -48,7 +48,8 @@ LOSS_FIELDS = ("eps_low", "eps_high", "delta", "is_cap", "tis_cap", "cispo_eps_l
                "aggregation", "constant_norm", "anchor", "topk", "gspo_eps_low", "gspo_eps_high", "gmpo_eps",
                "correction")
 # fields added after runs were stored: left out of the run id at their default, so stored runs keep their ids
-_IN_RUN_ID_UNLESS_DEFAULT = ("gspo_eps_low", "gspo_eps_high", "gmpo_eps", "correction", "correction_args")
+_IN_RUN_ID_UNLESS_DEFAULT = ("gspo_eps_low", "gspo_eps_high", "gmpo_eps", "correction", "correction_args", "preset",
+                             "dynamic_sampling", "max_rounds", "overlong_cache", "overlong_max")
 # fields that do not change what a run computes: excluded from the run id, so `--steps 20` extends a run of 10
 _NOT_IN_RUN_ID = ("steps", "db", "out", "checkpoint_every", "study", "kv_cache_mb")
 
@@ -81,6 +82,12 @@ class TrainConfig:
     out: str = "runs"  # checkpoints go to <out>/<run_id>/checkpoint.pt (runs/ is git-ignored)
     study: str = "adhoc"
     kv_cache_mb: int = 1024
+    # recipes (mismatch_lab/rl/recipes.py): a named preset, DAPO dynamic sampling and soft overlong punishment
+    preset: str = "none"  # none, dr_grpo, dapo: sets its fields where they are still at their defaults
+    dynamic_sampling: bool = False  # drop all-equal-reward groups and sample more (DAPO)
+    max_rounds: int = 4  # dynamic sampling: generation rounds per step at most
+    overlong_cache: int = 0  # L_cache of the soft overlong punishment (0 = off)
+    overlong_max: int = 0  # L_max of the soft overlong punishment (0 = max_tokens)
     # LossConfig fields (defaults as in LossConfig; see docs/rl.md)
     eps_low: float = 0.2
     eps_high: float = 0.2
@@ -121,6 +128,9 @@ class TrainConfig:
 
     def validate(self) -> None:
         from mismatch_lab.corrections.registry import OBJECTIVES
+        from mismatch_lab.rl.recipes import apply_preset
+
+        apply_preset(self)
         from mismatch_lab.rl.tasks import TASKS
 
         if self.loss not in OBJECTIVES:
@@ -133,7 +143,10 @@ class TrainConfig:
         for d, flag in ((self.rollout_dtype, "--rollout-dtype"), (self.trainer_dtype, "--trainer-dtype")):
             if d not in DTYPES:
                 raise UserError(f"{flag} {d}: use one of {', '.join(DTYPES)}")
-        for name in ("prompts_per_step", "max_tokens", "steps", "checkpoint_every", "minibatches", "kv_cache_mb"):
+        if self.overlong_cache < 0 or self.overlong_cache > (self.overlong_max or self.max_tokens):
+            raise UserError(f"--overlong-cache {self.overlong_cache} must be in 0..L_max (--overlong-max, 0 = max_tokens)")
+        for name in ("prompts_per_step", "max_tokens", "steps", "checkpoint_every", "minibatches", "kv_cache_mb",
+                     "max_rounds"):
             if getattr(self, name) < 1:
                 raise UserError(f"--{name.replace('_', '-')} must be at least 1")
         if self.samples_per_prompt < 2:
@@ -288,11 +301,13 @@ def _delete_steps_after(con, run_id: str, step: int) -> int:
     return n
 
 
-def problems_for_step(cfg: TrainConfig, step: int):
-    """The step's problems: distinct within the step, seeded by (seed, step) so every run sees the same data."""
+def problems_for_step(cfg: TrainConfig, step: int, round_: int = 0):
+    """The step's problems: distinct within the step, seeded by (seed, step) so every run sees the same data
+    (round > 0: dynamic sampling's extra rounds, seeded apart)."""
     from mismatch_lab.rl.tasks import TASKS
 
-    return TASKS[cfg.task].generate(cfg.split, cfg.prompts_per_step, seed=cfg.seed * 1_000_003 + step)
+    seed = cfg.seed * 1_000_003 + step + round_ * 7_919_000_033
+    return TASKS[cfg.task].generate(cfg.split, cfg.prompts_per_step, seed=seed)
 
 
 # ------------------------------------------------------------------------------------------------------

@@ -52,6 +52,7 @@ class Batch:
     logp_mu: torch.Tensor  # [N, T] (pad 0)
     mask: torch.Tensor  # [N, T] bool
     rollout_metrics: dict = field(default_factory=dict)
+    task_rewards: list[float] | None = None  # the verifier's rewards before shaping (None: = rewards)
 
     @property
     def responses(self) -> list[list[int]]:
@@ -90,20 +91,73 @@ def seq_row(cfg, step: int, slot: int, s: int, prompt_id: str, prompt_len: int) 
     return {"seq_id": seq_id, "prompt_id": prompt_id, "sample_idx": s, "prompt_len": prompt_len}
 
 
-def rollout_batch(cfg, engine, tokenizer, task, step: int, *, top_k: int) -> Batch:
-    """The step's problems through the engine, rewarded by the task's verifier, with group advantages."""
+@dataclass
+class Group:
+    """One prompt's G samples with the task's rewards (before any shaping)."""
+
+    problem: object
+    prompt_ids: list[int]
+    samples: list
+    rewards: list[float]
+
+
+def sample_groups(cfg, engine, tokenizer, task, step: int, *, top_k: int, round_: int = 0) -> list[Group]:
+    """One generation round: the round's problems, G samples each, rewarded by the task's verifier."""
     from mismatch_lab.rl.loop import problems_for_step
     from mismatch_lab.runtime import encode_prompts
 
-    problems = problems_for_step(cfg, step)
+    problems = problems_for_step(cfg, step, round_)
     p_ids, _ = encode_prompts(tokenizer, [{"id": p.id, "prompt": p.prompt} for p in problems])
     G = cfg.samples_per_prompt
-    reqs = [r for g, ids in enumerate(p_ids) for r in group_requests(cfg, step, g, ids)]
+    reqs = [r for g, ids in enumerate(p_ids) for r in group_requests(cfg, step, g, ids, round_=round_)]
     samples = engine.generate(reqs, max_tokens=cfg.max_tokens, top_k=top_k)
-    rows = [seq_row(cfg, step, i // G, i % G, problems[i // G].id, len(p_ids[i // G])) for i in range(len(samples))]
-    rewards = [task.reward(s.text, problems[i // G].answer) for i, s in enumerate(samples)]
-    return make_batch(samples, rows, [p_ids[i // G] for i in range(len(samples))], rewards, group_size=G,
-                      normalize_std=cfg.normalize_std)
+    return [Group(prob, p_ids[g], samples[g * G:(g + 1) * G],
+                  [task.reward(s.text, prob.answer) for s in samples[g * G:(g + 1) * G]])
+            for g, prob in enumerate(problems)]
+
+
+def select_groups(cfg, draw) -> tuple[list[Group], dict]:
+    """DAPO dynamic sampling: `draw(round)` -> groups; keep informative ones until `prompts_per_step`, at most
+    `max_rounds` rounds, then fill with dropped ones. Without dynamic sampling: round 0 as it comes."""
+    from mismatch_lab.rl.recipes import informative
+
+    if not cfg.dynamic_sampling:
+        return draw(0), {}
+    kept, dropped, rounds = [], [], 0
+    while len(kept) < cfg.prompts_per_step and rounds < cfg.max_rounds:
+        for g in draw(rounds):
+            (kept if informative(g.rewards) and len(kept) < cfg.prompts_per_step else dropped).append(g)
+        rounds += 1
+    refill = cfg.prompts_per_step - len(kept)
+    metrics = {"dynamic_sampling/rounds/count": float(rounds),
+               "dynamic_sampling/groups_dropped/count": float(sum(not informative(g.rewards) for g in dropped)),
+               "dynamic_sampling/groups_refilled/count": float(refill)}
+    return kept + dropped[:refill], metrics
+
+
+def shaped_rewards(cfg, group: Group) -> list[float]:
+    """Task rewards plus the soft overlong punishment (off when overlong_cache = 0)."""
+    from mismatch_lab.rl.recipes import overlong_penalty
+
+    max_len = cfg.overlong_max or cfg.max_tokens
+    return [r + overlong_penalty(len(s.token_ids), max_len, cfg.overlong_cache) for s, r in zip(group.samples, group.rewards)]
+
+
+def rollout_batch(cfg, engine, tokenizer, task, step: int, *, top_k: int) -> Batch:
+    """The step's groups (dynamic sampling if asked) as a Batch: shaped rewards, group advantages, μ, mask."""
+    groups, metrics = select_groups(cfg, lambda r: sample_groups(cfg, engine, tokenizer, task, step, top_k=top_k,
+                                                                 round_=r))
+    G = cfg.samples_per_prompt
+    samples = [s for g in groups for s in g.samples]
+    rows = [seq_row(cfg, step, slot, s, g.problem.id, len(g.prompt_ids)) for slot, g in enumerate(groups) for s in range(G)]
+    rewards = [r for g in groups for r in shaped_rewards(cfg, g)]
+    task_rewards = [r for g in groups for r in g.rewards]
+    if cfg.overlong_cache:
+        metrics["overlong/penalty/mean"] = sum(r - t for r, t in zip(rewards, task_rewards)) / len(rewards)
+    batch = make_batch(samples, rows, [g.prompt_ids for g in groups for _ in range(G)], rewards, group_size=G,
+                       normalize_std=cfg.normalize_std, rollout_metrics=metrics)
+    batch.task_rewards = task_rewards
+    return batch
 
 
 # --------------------------------------------------------------------------------------- score and update
@@ -231,7 +285,7 @@ def step_metrics(batch: Batch, scored: Scored, bad: dict, times: dict, *, lr: fl
     n_tok = float(maskf.sum())
     metrics = reduce_minibatches(scored.minibatch_metrics) | batch.adv_metrics | batch.rollout_metrics
     metrics.update({
-        "reward/accuracy/mean": sum(r == 1.0 for r in batch.rewards) / n,
+        "reward/accuracy/mean": sum(r == 1.0 for r in (batch.task_rewards or batch.rewards)) / n,
         "response/length/mean": n_tok / n,
         "response/length/max": float(max(len(r) for r in batch.responses)),
         "response/truncated/frac": sum(s.finish_reason == "length" for s in batch.samples) / n,
