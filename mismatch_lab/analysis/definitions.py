@@ -30,29 +30,28 @@ from __future__ import annotations
 
 import math
 
-# the rollout label is part of the data contract (store.schema); re-exported for the analyses
-from mismatch_lab.store.schema import rollout_label_sql
+from mismatch_lab.corrections import defaults as _published
+
+# the rollout label and the reference scorer are part of the data contract (store.schema); re-exported
+from mismatch_lab.store.schema import REFERENCE_SCORER, rollout_label_sql  # noqa: F401 - re-exported
 
 # -- labels ---------------------------------------------------------------------------------------
 ROLLOUT_LABEL_SQL = rollout_label_sql("runs")
 """A rollout is named '<engine>:<dtype>' from its run, e.g. 'vllm:bf16' ('<engine>' alone when the dtype is
 unknown); a scorer is `scores.scorer`, e.g. 'hf:fp32' or a framework's 'trl:fp32'."""
 
-REFERENCE_SCORER = "hf:fp32"
-"""`scores.tv_exact_vs_ref` / `kl_exact_vs_ref` are measured against this scorer (data contract)."""
-
 # -- default thresholds, each with its source -----------------------------------------------------
-EPS_LOW = 0.2
-EPS_HIGH = 0.28
+EPS_LOW = _published.GRPO_EPS_LOW
+EPS_HIGH = _published.CLIP_HIGHER_EPS
 """PPO ratio clip range [1 - EPS_LOW, 1 + EPS_HIGH]: DAPO's 'clip-higher' values, the GRPO-Clip-Higher
 baseline of DPPO. A token is *ratio-clipped* when r < 1 - EPS_LOW or r > 1 + EPS_HIGH."""
 CLIP_LOW = 1.0 - EPS_LOW  # 0.8
 CLIP_HIGH = 1.0 + EPS_HIGH  # 1.28
 
-DELTA_TV = 0.15
-"""DPPO binary/top-K TV trust-region radius (reference code default)."""
-DELTA_KL = 0.05
-"""DPPO binary/top-K KL trust-region radius (reference code default)."""
+DELTA_TV = _published.DPPO_DELTA_TV
+"""DPPO binary/top-K TV trust-region radius (reference code default; corrections/defaults.py)."""
+DELTA_KL = _published.DPPO_DELTA_KL
+"""DPPO binary/top-K KL trust-region radius (reference code default; corrections/defaults.py)."""
 
 R_DEVIATION = 0.1
 """Share of tokens with |r - 1| > R_DEVIATION: the '4-8 % of tokens outside [0.9, 1.1]' figure."""

@@ -51,6 +51,7 @@ from mismatch_lab.analysis.violations import train_series
 from mismatch_lab.analysis.volatility import volatility_table
 from mismatch_lab.categories import CATEGORIES
 from mismatch_lab.figures.corrections import fig9_corrections
+from mismatch_lab.scoring.hf_scorer import SCORE_BATCH_TOKENS, SCORE_CHUNK_ROWS
 from mismatch_lab.store.schema import TOKEN_FIGURE_KINDS
 
 
@@ -604,7 +605,7 @@ def fig6_training(con: duckdb.DuckDBPyConnection, rows: Rows | None = None) -> l
 
 
 # -- 7: batch invariance ---------------------------------------------------------------------------
-DEFAULT_SCORER_SETTING = (8192, 1024)  # HFScorer defaults: padded tokens per forward, rows per vocab chunk
+DEFAULT_SCORER_SETTING = (SCORE_BATCH_TOKENS, SCORE_CHUNK_ROWS)  # the scorer's defaults: padded tokens per forward, rows per vocab chunk
 
 
 def _batch_settings(config) -> tuple[int | None, tuple[int, int]]:

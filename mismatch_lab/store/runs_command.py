@@ -52,16 +52,13 @@ def drop_run(con, run_id: str) -> dict[str, int]:
     if con.execute("SELECT count(*) FROM runs WHERE run_id = ?", [run_id]).fetchone()[0] == 0:
         present = [r[0] for r in con.execute("SELECT run_id FROM runs ORDER BY run_id").fetchall()]
         raise UserError(f"no run {run_id!r} in this store; its runs are: {', '.join(present) or '(none)'}")
+    from mismatch_lab.store.writer import transaction
+
     deleted: dict[str, int] = {}
-    con.execute("BEGIN TRANSACTION")
-    try:
+    with transaction(con):
         for table in RUN_TABLES:
             # DuckDB answers a DELETE with the number of rows it removed
             deleted[table] = con.execute(f"DELETE FROM {table} WHERE run_id = ?", [run_id]).fetchone()[0]
-        con.execute("COMMIT")
-    except BaseException:
-        con.execute("ROLLBACK")
-        raise
     return deleted
 
 

@@ -106,6 +106,10 @@ def _create_table(table: str) -> str:
 DDL = [_create_table(t) for t in COLUMNS]
 
 
+REFERENCE_SCORER = "hf:fp32"
+"""The scorer `scores.tv_exact_vs_ref` / `kl_exact_vs_ref` are measured against (the HF trainer at fp32)."""
+
+
 def rollout_label_sql(alias: str | None = "runs") -> str:
     """SQL of a run's rollout label over the `runs` columns of `alias` (None: unqualified): '<engine>:<dtype>',
     e.g. 'vllm:bf16', or just '<engine>' (e.g. 'vllm') where engine_dtype is NULL or empty (a recorded or imported

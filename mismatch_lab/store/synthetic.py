@@ -38,10 +38,8 @@ import pandas as pd
 import pyarrow as pa
 
 from mismatch_lab.categories import categorize
-from mismatch_lab.store.schema import create_schema
+from mismatch_lab.store.schema import REFERENCE_SCORER, create_schema
 from mismatch_lab.store.writer import TABLE_TYPES
-
-REFERENCE_SCORER = "hf:fp32"  # the contract's reference for tv_exact_vs_ref / kl_exact_vs_ref
 
 # A small vocabulary touching every token category; id = index. '<|im_end|>' is the special token.
 VOCAB = (
