@@ -49,7 +49,7 @@ LOSS_FIELDS = ("eps_low", "eps_high", "delta", "is_cap", "tis_cap", "cispo_eps_l
                "correction")
 # fields added after runs were stored: left out of the run id at their default, so stored runs keep their ids
 _IN_RUN_ID_UNLESS_DEFAULT = ("gspo_eps_low", "gspo_eps_high", "gmpo_eps", "correction", "correction_args", "preset",
-                             "dynamic_sampling", "max_rounds", "overlong_cache", "overlong_max")
+                             "dynamic_sampling", "max_rounds", "overlong_cache", "overlong_max", "rollout_weights")
 # fields that do not change what a run computes: excluded from the run id, so `--steps 20` extends a run of 10
 _NOT_IN_RUN_ID = ("steps", "db", "out", "checkpoint_every", "study", "kv_cache_mb")
 
@@ -76,6 +76,7 @@ class TrainConfig:
     steps: int = 8
     seed: int = 0
     rollout_dtype: str = "bf16"
+    rollout_weights: str = "none"  # fp8: the engine gets weights rounded to e4m3 per output channel (engines/weights.py)
     trainer_dtype: str = "fp32"
     checkpoint_every: int = 4
     db: str = "runs/train.duckdb"
@@ -143,6 +144,8 @@ class TrainConfig:
         for d, flag in ((self.rollout_dtype, "--rollout-dtype"), (self.trainer_dtype, "--trainer-dtype")):
             if d not in DTYPES:
                 raise UserError(f"{flag} {d}: use one of {', '.join(DTYPES)}")
+        if self.rollout_weights not in ("none", "fp8"):
+            raise UserError(f"--rollout-weights {self.rollout_weights}: use none or fp8")
         if self.overlong_cache < 0 or self.overlong_cache > (self.overlong_max or self.max_tokens):
             raise UserError(f"--overlong-cache {self.overlong_cache} must be in 0..L_max (--overlong-max, 0 = max_tokens)")
         for name in ("prompts_per_step", "max_tokens", "steps", "checkpoint_every", "minibatches", "kv_cache_mb",
@@ -366,7 +369,7 @@ def run_step(cfg: TrainConfig, ctx: dict, step: int) -> dict[str, float]:
         bad = parts.rescore(ctx["model"], batch, scored.logp_before, trainer_dtype=cfg.trainer_dtype,
                             delta=cfg.bad_update_delta)
     with parts.timed(times, "sync"):
-        parts.sync_weights(ctx["engine"], ctx["model"])
+        sync_weights(ctx["engine"], ctx["model"], cfg.rollout_weights)
     times["time/step/seconds"] = time.perf_counter() - t_step
     metrics = parts.step_metrics(batch, scored, bad, times, lr=cfg.lr)
     parts.write_step(ctx["writer"], ctx["run_id"], step, batch, scored, metrics, scorer=ctx["scorer"],
@@ -417,8 +420,8 @@ def train(cfg: TrainConfig, *, progress: bool = True, log=None) -> str:
            "loss_cfg": cfg.loss_config(), "use_topk": "topk" in OBJECTIVES[cfg.loss].needs, "writer": writer,
            "run_id": run_id, "scorer": f"hf:{cfg.trainer_dtype}", "texts": TextLookup(tokenizer)}
     try:
-        if start:
-            sync_weights(engine, model)  # the rollout policy is the checkpoint's, not the base model
+        if start or cfg.rollout_weights != "none":
+            sync_weights(engine, model, cfg.rollout_weights)  # the checkpoint's (or rounded) weights, not the base
         _start_run(cfg, writer, run_id, model_path, engine, ctx["scorer"])
         for step in range(start + 1, cfg.steps + 1):
             metrics = run_step(cfg, ctx, step)
@@ -437,7 +440,11 @@ def train(cfg: TrainConfig, *, progress: bool = True, log=None) -> str:
     return run_id
 
 
-def sync_weights(engine, model) -> None:
+def sync_weights(engine, model, rollout_weights: str = "none") -> None:
+    """The trainer's weights into the engine, rounded as `rollout_weights` says (the trainer keeps its own)."""
+    from functools import partial
+
+    from mismatch_lab.engines.weights import round_state
     from mismatch_lab.rl.step import sync_weights as push
 
-    push(engine, model)
+    push(engine, model, None if rollout_weights == "none" else partial(round_state, kind=rollout_weights))
