@@ -123,6 +123,24 @@ def corrections(study: Path) -> dict[str, Rows]:
         con.close()
 
 
+@kind("doctor", keys={"checks": ("pair", "run_id", "check", "detail"), "recommendations": ("rule", "advice", "because")})
+def doctor(study: Path) -> dict[str, Rows]:
+    """`mismatch-lab doctor --db studies/<name> --json`'s checks (value, band, source, verdict per pair and
+    check) and recommendations (rule, advice, the measured reason as printed)."""
+    from mismatch_lab.doctor.report import diagnose, json_doc
+    from mismatch_lab.store.reader import open_store
+
+    con = open_store(study)
+    try:
+        con.execute(f"SET threads = {THREADS}")
+        doc = json_doc(diagnose(con))
+    finally:
+        con.close()
+    checks = [{k: v for k, v in c.items() if k != "gates"} | {"gates": ",".join(c["gates"])} for c in doc["checks"]]
+    advice = [{k: r[k] for k in ("rule", "advice", "because")} for r in doc["recommendations"]]
+    return {"checks": checks, "recommendations": advice}
+
+
 # -- recording ---------------------------------------------------------------------------------------
 
 
