@@ -190,3 +190,25 @@ def test_write_step_commits_one_chunk(tmp_path, tiny_model):
     lp = con.execute("SELECT logp FROM scores ORDER BY seq_id, pos").fetchall()
     assert [round(x[0], 4) for x in lp] == [round(x - 0.01, 4) for x in (-0.5, -0.6, -0.5, -0.6, -0.7)]
     assert not math.isnan(lp[0][0])
+
+
+def test_a_rollout_correction_reaches_the_real_update(tiny_model):
+    """`train --correction`: the correction's metrics come with every mini-batch, and a correction that drops
+    every sequence (veto with a floor above every ratio) leaves the
+    model untouched, while the same batch without it updates the model."""
+    from transformers import AutoModelForCausalLM
+
+    batch = _batch([1.0, 0.0, 0.0, 1.0], [3, 5, 2, 4])
+    for correction, args, moves in (("token_tis", "cap=1.5", True), ("veto", "floor=1e9", False)):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)  # as the loop (weight_decay 0)
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        cfg = TrainConfig(loss="grpo", correction=correction, correction_args=args)
+        scored = parts.train_on_batch(model, opt, batch, cfg, cfg.loss_config(), topk=False, times={})
+        m = scored.minibatch_metrics[0]
+        assert {"correction/masked/frac", "correction/modified/frac", "correction/ess", "weight/ess"} <= set(m)
+        changed = any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+        assert changed is moves, correction
+        if not moves:
+            assert m["correction/seqs_masked/frac"] == 1.0
