@@ -289,18 +289,15 @@ def save_checkpoint(path: Path, model, optimizer, step: int) -> None:
 def _delete_steps_after(con, run_id: str, step: int) -> int:
     """Remove every row of steps > `step` (redone after a resume) in one transaction; returns steps removed."""
     n = con.execute("SELECT count(*) FROM chunks_done WHERE run_id = ? AND chunk > ?", [run_id, step]).fetchone()[0]
-    con.execute("BEGIN TRANSACTION")
-    try:
+    from mismatch_lab.store.writer import transaction
+
+    with transaction(con):
         seqs = "SELECT seq_id FROM sequences WHERE run_id = ? AND step > ?"
         for table in ("tokens", "scores"):
             con.execute(f"DELETE FROM {table} WHERE run_id = ? AND seq_id IN ({seqs})", [run_id, run_id, step])
         con.execute("DELETE FROM sequences WHERE run_id = ? AND step > ?", [run_id, step])
         con.execute("DELETE FROM train_metrics WHERE run_id = ? AND step > ?", [run_id, step])
         con.execute("DELETE FROM chunks_done WHERE run_id = ? AND chunk > ?", [run_id, step])
-        con.execute("COMMIT")
-    except BaseException:
-        con.execute("ROLLBACK")
-        raise
     return n
 
 
