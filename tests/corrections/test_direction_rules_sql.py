@@ -69,3 +69,35 @@ def test_train_config_passes_the_correction_and_its_thresholds_to_the_loss():
         TrainConfig(correction="icepop", correction_args="low").loss_config()
     with pytest.raises(UserError, match="no parameter 'cap'"):
         TrainConfig(correction="icepop", correction_args="cap=3").loss_config()
+
+
+@pytest.mark.parametrize("rewards", ["advantage", None])
+def test_the_clipping_analysis_counts_what_the_registry_masks(tmp_path, rewards):
+    """analysis/clipping.py (sign-split SQL counts) against the registry's grpo (Clip-Higher ε) and
+    dppo_binary_tv run by `corrections` on the same store: per pair and advantage sign, or two-sided ('all')
+    on a store without advantages."""
+    from mismatch_lab.analysis.clipping import clipping_by_category
+    from mismatch_lab.corrections.compare import compare
+    from mismatch_lab.store.reader import open_store
+    from mismatch_lab.store.synthetic import SyntheticSpec, synthetic_store
+
+    spec = SyntheticSpec(rollouts=("vllm:bf16",), scorers=("hf:fp32", "hf:bf16"), n_sequences=24, n_planted=8,
+                         rewards=rewards, seed=3)
+    con = open_store(synthetic_store(tmp_path / "s.duckdb", spec).path)
+    clip = clipping_by_category(con)
+    by_sign = compare(con)["by_adv_sign"]
+    signs = {"positive": "positive", "negative": "negative"} if rewards else {"all": "unknown"}
+    checked = 0
+    for sign, reg_sign in signs.items():
+        rows = clip[clip.adv_sign == sign]
+        for (rollout, scorer), g in rows.groupby(["rollout", "scorer"]):
+            reg = by_sign[(by_sign.rollout == rollout) & (by_sign.scorer == scorer) & (by_sign.adv_sign == reg_sign)]
+            n_clip = int(g.n_ratio_clip.sum())
+            n_tv = round(float((g.frac_tv_mask * g.n_tokens).sum()))
+            reg_clip = reg[reg.method == "grpo_clip_higher"]
+            reg_tv = reg[reg.method == "dppo_binary_tv"]
+            assert int(g.n_tokens.sum()) == int(reg_clip.n_tokens.iloc[0])
+            assert n_clip == round(float(reg_clip.frac_tokens_masked.iloc[0] * reg_clip.n_tokens.iloc[0]))
+            assert n_tv == round(float(reg_tv.frac_tokens_masked.iloc[0] * reg_tv.n_tokens.iloc[0]))
+            checked += n_clip + n_tv
+    assert checked > 0  # the planted tokens make both rules fire
