@@ -66,3 +66,27 @@ def test_no_store_and_no_model_probes_the_embedded_model_into_the_default_store(
 def test_bad_probe_dtypes_are_refused_before_collecting(tmp_path, capsys, fake_collect):
     assert main(["doctor", "--model", "m", "--db", str(tmp_path / "p.duckdb"), "--rollout-dtype", "fp8"]) == 2
     assert "unknown rollout dtype 'fp8'" in capsys.readouterr().err and fake_collect == []
+
+
+@pytest.mark.slow
+def test_the_real_probe_on_the_tiny_model_collects_judges_and_resumes(tmp_path, tiny_model, capsys):
+    """The fixed probe through the real collect (HF engine at bf16, HF trainer at fp32), then its verdicts;
+    a second call finds the probe complete and collects nothing new."""
+    import duckdb
+
+    db = tmp_path / "probe.duckdb"
+    argv = ["doctor", "--model", tiny_model, "--db", str(db), "--engine", "hf", "--rollout-dtype", "bf16",
+            "--trainer-dtype", "fp32", "--json", str(tmp_path / "d.json")]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "hf:bf16/hf:fp32" in out
+    with duckdb.connect(str(db), read_only=True) as con:
+        n_seq = con.execute("SELECT count(*) FROM sequences").fetchone()[0]
+        n_tok = con.execute("SELECT count(*) FROM tokens").fetchone()[0]
+    assert n_seq == 12 * probe.PROBE["samples"] and 0 < n_tok <= n_seq * probe.PROBE["max_tokens"]
+    checks = json.loads((tmp_path / "d.json").read_text())["checks"]
+    assert {c["check"] for c in checks} >= {"abs_dp_mean", "k3_kl", "seq_abs_dlogp", "ess"}
+    assert all(c["pair"] != "hf:bf16/hf:fp32" or c["value"] is not None for c in checks if c["check"] == "abs_dp_mean")
+    assert main(argv) == 0  # resumes: the runs are complete, nothing is collected twice
+    with duckdb.connect(str(db), read_only=True) as con:
+        assert con.execute("SELECT count(*) FROM sequences").fetchone()[0] == n_seq
