@@ -25,6 +25,7 @@ class CollectConfig:
     max_tokens: int = 64  # generated tokens per response at most
     engine: str = "vllm"  # rollout engine: vllm | hf
     rollout_dtypes: list = field(default_factory=lambda: ["bf16", "fp16", "fp32"])
+    rollout_weights: str = "none"  # fp8 | bf16: the rollout engine gets rounded weights (engines/weights.py)
     scorer_dtypes: list = field(default_factory=lambda: ["bf16", "fp16", "fp32"])  # plus 'vllm:<dtype>'
     top_k: int = 20  # top-K recorded per token (sampled token included); 0 = none
     seed: int = 0
@@ -68,6 +69,10 @@ class CollectConfig:
             raise UserError("--memory-plan: use 'check' or 'off'")
         if self.top_k < 0 or self.top_k > 20:
             raise UserError("--top-k must be between 0 and 20 (vLLM caps returned logprobs at 20)")
+        from mismatch_lab.engines.weights import ROUNDINGS
+
+        if self.rollout_weights not in ROUNDINGS:
+            raise UserError(f"--rollout-weights {self.rollout_weights}: use one of {', '.join(ROUNDINGS)}")
         if not self.rollout_dtypes:
             raise UserError("--rollout-dtypes is empty; give at least one of bf16,fp16,fp32")
 
@@ -116,6 +121,9 @@ def add_arguments(parser) -> None:
     a("--max-tokens", dest="max_tokens", type=int, help="max generated tokens per response (default 64)")
     a("--engine", choices=["vllm", "hf"], help="rollout engine (default vllm)")
     a("--rollout-dtypes", dest="rollout_dtypes", help="comma list of bf16,fp16,fp32")
+    a("--rollout-weights", dest="rollout_weights", choices=["none", "fp8", "bf16"],
+      help="weights the rollout engine gets: the checkpoint's (none, default), rounded to float8 e4m3 per output "
+           "channel (fp8) or to bfloat16 (bf16); the scorers keep the checkpoint's")
     a("--scorer-dtypes", dest="scorer_dtypes",
       help="comma list of bf16,fp16,fp32 (HF trainer) and vllm:<dtype> (vLLM prefill)")
     a("--top-k", dest="top_k", type=int, help="top-K recorded per token, 0..20 (default 20)")

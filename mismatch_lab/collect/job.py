@@ -83,6 +83,8 @@ def prepare(cfg: CollectConfig, *, verbose: bool = False) -> Job:
               vllm_dtypes, device)
     # the run id hashes what determines a run's rows (RUN_LOCAL fields do not)
     job.base_cfg = {k: v for k, v in asdict(cfg).items() if k not in RUN_LOCAL}
+    if cfg.rollout_weights == "none":  # hashed only when set: the run ids of earlier stores stay what they were
+        del job.base_cfg["rollout_weights"]
     job.base_cfg.update(model_resolved=model, prompts_sha256=_file_sha(cfg.prompts), chat_template=templated,
                         max_model_len_used=max_len, chunk_tokens=0 if cfg.chunk_prompts else cfg.chunk_budget(device))
     return job
@@ -168,6 +170,7 @@ def collect(cfg: CollectConfig, *, progress: bool = True, verbose: bool = False)
 
 def pending_runs(job: Job, writer) -> tuple[list[str], list[PendingRun]]:
     """Every run id of the job, and the runs with chunks still to do (a complete run is not redone)."""
+    from mismatch_lab.engines.weights import weights_label
     from mismatch_lab.models import weights_sha256
 
     sha = weights_sha256(job.model)
@@ -175,7 +178,7 @@ def pending_runs(job: Job, writer) -> tuple[list[str], list[PendingRun]]:
     for dt in job.cfg.rollout_dtypes:
         run_cfg = dict(job.base_cfg, rollout_dtype=dt, weights_sha256=sha)
         key = hashlib.sha256(json.dumps(run_cfg, sort_keys=True, default=str).encode()).hexdigest()[:10]
-        run_id = f"{job.cfg.study}-collect-{job.cfg.engine}-{dt}-{key}"
+        run_id = f"{job.cfg.study}-collect-{job.cfg.engine}-{weights_label(dt, job.cfg.rollout_weights)}-{key}"
         run_ids.append(run_id)
         if writer.run_status(run_id) == "complete":
             print(f"{run_id}: already complete, skipped", file=sys.stderr)
@@ -200,7 +203,7 @@ def run_chunks(job: Job, plan, writer, pending: list[PendingRun], *, progress: b
     try:
         n_tok, t0 = 0, time.perf_counter()
         for run in pending:
-            engine = work.engine(cfg.engine, run.dtype)
+            engine = work.rollout_engine(cfg.engine, run.dtype)
             _start_run(job, writer, run, engine, work)
             pbar.set_description(f"collect {cfg.engine}:{run.dtype}")
             for c in run.todo:
@@ -208,7 +211,7 @@ def run_chunks(job: Job, plan, writer, pending: list[PendingRun], *, progress: b
                 pbar.update(len(job.chunks[c]) * cfg.samples)
                 pbar.set_postfix_str(f"{n_tok / (time.perf_counter() - t0):.0f} tok/s")
             writer.set_status(run.run_id, "complete")
-            work.release(cfg.engine, run.dtype)
+            work.release_rollout(cfg.engine, run.dtype)
     except BaseException:
         for run in pending:
             if writer.run_status(run.run_id) == "running":
@@ -220,12 +223,16 @@ def run_chunks(job: Job, plan, writer, pending: list[PendingRun], *, progress: b
 
 
 def _start_run(job: Job, writer, run: PendingRun, engine, work) -> None:
+    from mismatch_lab.engines.weights import weights_label
+
     versions = runtime_versions()
     run.run_cfg = dict(run.run_cfg, sampling=engine.sampling_config(), scorer=work.scorer_config(),
                        vllm_scorers=[f"vllm:{d}" for d in job.vllm_dtypes], chunks=len(job.chunks),
-                       memory_plan=work.plan.lines() if work.plan else None)
+                       memory_plan=work.plan.lines() if work.plan else None,
+                       rollout_weights=job.cfg.rollout_weights)
     writer.start_run(run.run_id, study=job.cfg.study, kind="collect", model=job.model,
-                     weights_sha256=run.run_cfg["weights_sha256"], engine=job.cfg.engine, engine_dtype=run.dtype,
+                     weights_sha256=run.run_cfg["weights_sha256"], engine=job.cfg.engine,
+                     engine_dtype=weights_label(run.dtype, job.cfg.rollout_weights),
                      device=device_name(job.device), versions=versions, config=run.run_cfg)
 
 
@@ -275,23 +282,45 @@ class _Workers:
         return self.scorer.config() if self.scorer else None
 
     def engine(self, name: str, dtype: str):
-        from mismatch_lab.engines.base import make_engine
-
         key = f"{name}:{dtype}"
         if key not in self.engines:
-            cfg = self.job.cfg
-            kw = {"seed": cfg.seed, "max_model_len": self.job.max_len, "device": self.job.device, "verbose": self.verbose}
-            if name == "vllm":
-                kw.update(max_logprobs=max(20, cfg.top_k), tensor_parallel_size=cfg.tensor_parallel_size,
-                          data_parallel_size=cfg.data_parallel_size,
-                          gpu_memory_utilization=self.plan.gpu_memory_utilization if self.plan else None)
-            self.engines[key] = make_engine(name, self.job.model, dtype, **kw)
+            self.engines[key] = self._make(name, dtype)
         return self.engines[key]
 
-    def release(self, name: str, dtype: str) -> None:
+    def _make(self, name: str, dtype: str):
+        from mismatch_lab.engines.base import make_engine
+
+        cfg = self.job.cfg
+        kw = {"seed": cfg.seed, "max_model_len": self.job.max_len, "device": self.job.device, "verbose": self.verbose}
+        if name == "vllm":
+            kw.update(max_logprobs=max(20, cfg.top_k), tensor_parallel_size=cfg.tensor_parallel_size,
+                      data_parallel_size=cfg.data_parallel_size,
+                      gpu_memory_utilization=self.plan.gpu_memory_utilization if self.plan else None)
+        return make_engine(name, self.job.model, dtype, **kw)
+
+    def rollout_engine(self, name: str, dtype: str):
+        """The rollout engine of a run: the shared engine of (name, dtype) on the checkpoint's weights, or, with
+        --rollout-weights, an engine of its own into which the rounded checkpoint weights were pushed (a vLLM
+        prefill scorer of the same dtype keeps the checkpoint's)."""
+        kind = self.job.cfg.rollout_weights
+        if kind == "none":
+            return self.engine(name, dtype)
+        from mismatch_lab.engines.weights import round_state, weights_label
+
+        key = f"{name}:{weights_label(dtype, kind)}"
+        if key not in self.engines:
+            engine = self._make(name, dtype)
+            self.engines[key] = engine
+            engine.load_state_dict(round_state(checkpoint_state(self.job.model, self.job.cfg.trust_remote_code), kind))
+        return self.engines[key]
+
+    def release_rollout(self, name: str, dtype: str) -> None:
         """Free a rollout engine after its run, unless it also serves as a vLLM prefill scorer."""
-        if name != "vllm" or dtype not in self.job.vllm_dtypes:
-            self.engines.pop(f"{name}:{dtype}").close()
+        from mismatch_lab.engines.weights import weights_label
+
+        kind = self.job.cfg.rollout_weights
+        if kind != "none" or name != "vllm" or dtype not in self.job.vllm_dtypes:
+            self.engines.pop(f"{name}:{weights_label(dtype, kind)}").close()
 
     def close(self) -> None:
         for e in self.engines.values():
@@ -299,3 +328,13 @@ class _Workers:
         self.engines.clear()
         if self.scorer is not None:
             self.scorer.close()
+
+
+def checkpoint_state(model: str, trust_remote_code: bool = False) -> dict:
+    """The checkpoint's parameters at fp32 (exact for fp32, bf16 and fp16 checkpoints), by their HF names: what
+    `--rollout-weights` rounds before the push into the rollout engine (the state dict `train` pushes too)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32, trust_remote_code=trust_remote_code)
+    return {k: v.detach() for k, v in m.state_dict().items()}

@@ -3,11 +3,18 @@
     fp8   every 2-D weight rounded to the float8 e4m3 grid with one scale per output channel (row):
           s = max|W_row| / 448 (e4m3's largest finite value), W' = fp8(W / s) · s, stored back in W's dtype;
           1-D tensors (norms, biases) and rows of zeros pass through unchanged.
+    bf16  every floating tensor rounded to the nearest bfloat16 (ties to even), stored back in its dtype:
+          the weights a bf16 checkpoint holds, computed on at the engine's own dtype (e.g. fp32).
+
+`train --rollout-weights` and `collect --rollout-weights` push `round_state(...)` into the engine;
+`mismatch-lab model prepare --grid bf16` writes the embedded model through the same `round_state`.
 """
 
 from __future__ import annotations
 
 E4M3_MAX = 448.0
+ROUNDINGS = ("none", "fp8", "bf16")
+"""What `round_state` accepts; 'none' is the state unchanged."""
 
 
 def fp8_per_channel(w):
@@ -22,10 +29,27 @@ def fp8_per_channel(w):
     return ((x / scale).to(torch.float8_e4m3fn).float() * scale).to(w.dtype)
 
 
+def bf16_grid(w):
+    """W rounded to the nearest bfloat16 (round to nearest, ties to even), in W's dtype."""
+    import torch
+
+    if not w.is_floating_point():
+        return w
+    return w.to(torch.bfloat16).to(w.dtype)
+
+
 def round_state(state: dict, kind: str) -> dict:
     """The state dict as the rollout engine should see it ('none': unchanged)."""
     if kind == "none":
         return state
-    if kind != "fp8":
-        raise ValueError(f"rollout weights {kind!r}: use none or fp8")
-    return {k: fp8_per_channel(v) for k, v in state.items()}
+    if kind not in ROUNDINGS:
+        raise ValueError(f"rollout weights {kind!r}: use one of {', '.join(ROUNDINGS)}")
+    fn = fp8_per_channel if kind == "fp8" else bf16_grid
+    return {k: fn(v) for k, v in state.items()}
+
+
+def weights_label(dtype: str, kind: str) -> str:
+    """`runs.engine_dtype` of a rollout at compute dtype `dtype` on weights rounded as `kind`: the dtype
+    itself for 'none', else '<dtype>-w<kind>' (e.g. 'bf16-wfp8'), so the rollout label ('vllm:bf16-wfp8')
+    keeps such a run apart from the plain 'vllm:bf16' in every table."""
+    return dtype if kind == "none" else f"{dtype}-w{kind}"
