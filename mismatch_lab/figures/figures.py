@@ -130,7 +130,8 @@ def _collect_run_ids(con: duckdb.DuckDBPyConnection) -> list[str]:
 
 
 def _dtype(label: str) -> str:
-    return label.split(":")[-1]
+    """The compute dtype of a rollout or scorer label: 'vllm:bf16' and 'vllm:bf16-wfp8' (rounded weights) -> 'bf16'."""
+    return label.split(":")[-1].split("-w")[0]
 
 
 def _pair_key(rollout: str, scorer: str) -> tuple:

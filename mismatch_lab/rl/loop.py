@@ -340,6 +340,7 @@ def _load_trainer(cfg: TrainConfig, model_path: str, ckpt_path: Path):
 def _start_run(cfg: TrainConfig, writer, run_id: str, model_path: str, engine, scorer: str) -> None:
     import torch
 
+    from mismatch_lab.engines.weights import weights_label
     from mismatch_lab.models import weights_sha256
     from mismatch_lab.runtime import device_name, versions
 
@@ -347,7 +348,7 @@ def _start_run(cfg: TrainConfig, writer, run_id: str, model_path: str, engine, s
                    sampling=engine.sampling_config(), scorer=scorer,
                    problems_seed="seed * 1000003 + step", rollout_seed="sample_seed(seed, step * prompts + p, s)")
     writer.start_run(run_id, study=cfg.study, kind="train", model=model_path, weights_sha256=weights_sha256(model_path),
-                     engine="vllm", engine_dtype=cfg.rollout_dtype,
+                     engine="vllm", engine_dtype=weights_label(cfg.rollout_dtype, cfg.rollout_weights),
                      device=device_name("cuda" if torch.cuda.is_available() else "cpu"), versions=versions(),
                      config=run_cfg)
 
