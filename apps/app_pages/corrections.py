@@ -18,6 +18,7 @@ from mismatch_lab.corrections.command import parse_overrides
 from mismatch_lab.corrections.compare import compare, variants
 from mismatch_lab.corrections.dropped import dropped_sequences, dropped_tokens
 from mismatch_lab.corrections.layout import pair_info
+from mismatch_lab.corrections.report import TOKEN_SUMS, rates
 from mismatch_lab.errors import UserError
 
 SHARES = {
@@ -48,29 +49,22 @@ def combine(split: pd.DataFrame, key: str, chosen: list) -> pd.DataFrame:
     masked = frac·n, kept = n − masked, Σw = mean·kept, Σw² = (Σw)²/(kept·ESS); then the same rates as
     report.py. Sequences only for the advantage-sign split (the only split that counts them)."""
     part = split[split[key].isin(chosen)].copy()
+    # back to the additive sums the comparison counted (report.TOKEN_SUMS), summed, then report.rates
     n = part["n_tokens"].astype(float)
-    part["masked"] = np.round(part["frac_tokens_masked"] * n)
-    part["changed"] = np.round(part["frac_tokens_weight_changed"] * n)
-    kept = n - part["masked"]
+    part["n_masked"] = np.round(part["frac_tokens_masked"] * n)
+    part["n_changed"] = np.round(part["frac_tokens_weight_changed"] * n)
+    kept = n - part["n_masked"]
     part["s_w"] = (part["weight_mean"] * kept).fillna(0.0)
     part["s_w2"] = (part["s_w"] ** 2 / (kept * part["ess"])).where(part["ess"] > 0, 0.0).fillna(0.0)
-    sums = {"n_tokens": "sum", "masked": "sum", "changed": "sum", "s_w": "sum", "s_w2": "sum", "weight_max": "max"}
+    part["x_w"] = part["weight_max"]
+    sums = dict(TOKEN_SUMS)
     if "n_seqs" in part:
-        part["seqs_masked"] = np.round(part["frac_seqs_masked"] * part["n_seqs"])
-        sums |= {"n_seqs": "sum", "seqs_masked": "sum"}
-    g = part.groupby("method", sort=False).agg(sums).reset_index()
-    kept = g["n_tokens"] - g["masked"]
-    out = g.assign(
-        frac_tokens_masked=g["masked"] / g["n_tokens"],
-        frac_tokens_weight_changed=g["changed"] / g["n_tokens"],
-        weight_mean=(g["s_w"] / kept).where(kept > 0),
-        weight_max=g["weight_max"].where(kept > 0),
-        ess=(g["s_w"] ** 2 / (kept * g["s_w2"])).where((kept > 0) & (g["s_w2"] > 0)),
-        frac_seqs_masked=(g["seqs_masked"] / g["n_seqs"]) if "n_seqs" in g else np.nan,
-    )
+        part["n_seqs_masked"] = np.round(part["frac_seqs_masked"] * part["n_seqs"])
+        sums |= {"n_seqs": "sum", "n_seqs_masked": "sum"}
+    out = rates(part.groupby("method", sort=False).agg(sums).reset_index())
     if "n_seqs" not in out:
-        out["n_seqs"] = np.nan
-    return out.drop(columns=["masked", "changed", "s_w", "s_w2"] + (["seqs_masked"] if "seqs_masked" in out else []))
+        out["n_seqs"], out["frac_seqs_masked"] = np.nan, np.nan
+    return out.drop(columns=[c for c in (*TOKEN_SUMS, "n_seqs_masked") if c not in ("n_tokens",) and c in out])
 
 
 st.title("Corrections")

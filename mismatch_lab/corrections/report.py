@@ -25,7 +25,9 @@ SPLITS = {"by_adv_sign": "adv_sign", "by_mu_bucket": "mu_bucket", "by_category":
 TOKEN_SUMS = {"n_tokens": "sum", "n_masked": "sum", "n_changed": "sum", "s_w": "sum", "s_w2": "sum", "x_w": "max"}
 
 
-def _rates(df: pd.DataFrame) -> pd.DataFrame:
+def rates(df: pd.DataFrame) -> pd.DataFrame:
+    """The table's shares, means and ESS from additive sums n_tokens, n_masked, n_changed, s_w, s_w2, x_w (and
+    n_seqs, n_seqs_masked where present): the one definition of every derived column."""
     kept = df["n_tokens"] - df["n_masked"]
     out = df.assign(
         frac_tokens_masked=df["n_masked"] / df["n_tokens"],
@@ -75,7 +77,7 @@ def tables(vs, tok: pd.DataFrame | None, seq: pd.DataFrame | None, info: pd.Data
     main = desc.merge(tok.groupby(["label", "pair"]).agg(TOKEN_SUMS).reset_index(), how="left", on=["label", "pair"])
     main = main.merge(seq.groupby(["label", "pair"])[["n_seqs", "n_seqs_masked"]].sum().reset_index(),
                       how="left", on=["label", "pair"])
-    out = {"corrections": _rates(main)[[*COLUMNS, "n_nonfinite"]]}
+    out = {"corrections": rates(main)[[*COLUMNS, "n_nonfinite"]]}
     for name, key in SPLITS.items():
         part = tok.groupby(["label", "pair", key], dropna=False).agg(TOKEN_SUMS).reset_index()
         if key == "adv_sign":
@@ -83,7 +85,7 @@ def tables(vs, tok: pd.DataFrame | None, seq: pd.DataFrame | None, info: pd.Data
                               how="left", on=["label", "pair", key])
         cols = [c for c in COLUMNS if c not in ("n_seqs", "frac_seqs_masked") or key == "adv_sign"]
         part = desc.merge(part, on=["label", "pair"])
-        out[name] = _rates(part)[[*cols[:5], key, *cols[5:]]]
+        out[name] = rates(part)[[*cols[:5], key, *cols[5:]]]
     return out
 
 
