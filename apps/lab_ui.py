@@ -30,6 +30,7 @@ import atexit
 import contextlib
 import html
 import importlib
+import logging
 import math
 import os
 import sys
@@ -56,6 +57,12 @@ WORST_N = 50  # the inspector's list of worst sequences
 TOP_CLIPPED_MAX = 100  # the Clipping page's longest list of token strings (one query serves every shorter one)
 WARM_UP_THREAD = "mismatch-lab warm-up"  # the warm-up threads' name prefix
 STOP_TIMEOUT_S = 30.0  # the longest wait for a stopped thread or an interrupted query (one fetch, in practice ms)
+
+# The warm-up thread fills the caches outside any script run: Streamlit then warns "missing ScriptRunContext"
+# on every cached call (its spinner has no page to draw on; the warning says it can be ignored). Raising that
+# one logger's level (no filter object, nothing kept alive) keeps the warnings, and the logging errors they
+# raise when a test's log stream has closed under a still-running warm-up, out of the output.
+logging.getLogger("streamlit.runtime.scriptrunner_utils.script_run_context").setLevel(logging.ERROR)
 
 
 def study_from_args(argv: list[str] | None = None) -> str | None:

@@ -1,4 +1,5 @@
-"""Paper-style figures regenerated from a stored study (matplotlib, Agg backend; no torch, no vLLM).
+"""Paper-style figures regenerated from a stored study (matplotlib, Agg backend; no vLLM; figure 8 runs the
+corrections registry on torch, CPU).
 
     figures.py   one function per figure (FIGURES), each reading an `open_store` connection and returning
                  [(file stem, matplotlib Figure)] or raising Skip when the store lacks its data

@@ -33,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "or .duckdb files")
     parser.add_argument("--all", action="store_true", help="every <root>/*/ holding a results/ folder")
     parser.add_argument("--root", default="studies", help="where --all looks (default: studies)")
-    parser.add_argument("--only", nargs="+", metavar="N", help="figure numbers to draw (default: all, 1-8)")
+    parser.add_argument("--only", nargs="+", metavar="N", help="figure numbers to draw (default: all, 1-9)")
     parser.add_argument("--format", nargs="+", default=list(FORMATS), choices=FORMATS, help="output formats")
     parser.add_argument("--out", help="output directory (only with a single study; default <study>/figures)")
 

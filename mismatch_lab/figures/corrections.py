@@ -1,4 +1,4 @@
-"""Figure 9: what every objective and rollout correction of the registry does to the same tokens.
+"""Figure 8: what every objective and rollout correction of the registry does to the same tokens.
 
 One row of panels per rollout (its same-dtype HF scorer, else hf:fp32, as figures 1 and 4): left, per
 method, the share of the pair's tokens it masks, of its sequences it drops whole and of its tokens whose
@@ -21,7 +21,7 @@ SHARES = (  # column, legend label, colour
 LINTHRESH_PCT = 0.1  # the share axis is linear below 0.1 % and logarithmic above
 
 
-def fig9_corrections(con: duckdb.DuckDBPyConnection, rows=None) -> list[tuple[str, Figure]]:
+def fig8_corrections(con: duckdb.DuckDBPyConnection, rows=None) -> list[tuple[str, Figure]]:
     """Claim (issue 14; verl, TRL, slime and prime-rl each ship their own subset of corrections): on the
     same tokens the methods differ by orders of magnitude in what they drop. Token-level rules (ratio clip,
     DPPO masks, IcePop, prime-rl's Δp mask) drop a small share of rare tokens; sequence-level rejection on
@@ -100,5 +100,5 @@ def fig9_corrections(con: duckdb.DuckDBPyConnection, rows=None) -> list[tuple[st
         "prompt group's mean, else fire for either sign (two-sided). Published defaults: " + params
         + ". Top-K rules are not computed where the pair lacks top-K lists (`mismatch-lab corrections` has every pair)."
     )
-    return [("fig9_corrections", _finish(fig, "What each correction method does to the same tokens", caption))]
+    return [("fig8_corrections", _finish(fig, "What each correction method does to the same tokens", caption))]
 

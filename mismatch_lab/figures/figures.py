@@ -8,7 +8,7 @@ units, and a caption at the bottom saying what was measured, on what, with n. De
 SQL (2-D histograms, GROUP BY) and only the grid reaches matplotlib; per-sequence scatters draw one point
 per sequence. Figures 1-5 read the token runs, the kinds of `schema.TOKEN_FIGURE_KINDS` (collect, and
 runs recorded or imported from a user's RL framework: μ and π taken at identical parameters); figure 7
-the `collect` runs; figure 6 the `train` runs; figure 8 every run whose sequences carry a training step
+the `collect` runs; figure 6 the `train` runs; figure 9 every run whose sequences carry a training step
 (train, recorded, imported runs). Definitions (r, binary TV, k3, clip range, delta) are those of `mismatch_lab.analysis`
 (docs/analysis.md).
 
@@ -19,8 +19,8 @@ the `collect` runs; figure 6 the `train` runs; figure 8 every run whose sequence
     5 fig5_tv_approximation             binary / top-K TV against exact TV
     6 fig6_training_curves              per-objective training curves               (DPPO Figs. 3, 5)
     7 fig7_batch_invariance             identical sequences and |dlogp| by batch size
-    8 fig8_mismatch_over_steps          mean |dp| and k3 per training step per run and pair
-    9 fig9_corrections                  each correction method's masked / dropped / reweighted shares, ESS (corrections.py)
+    8 fig8_corrections                  each correction method's masked / dropped / reweighted shares, ESS (corrections.py)
+    9 fig9_mismatch_over_steps          mean |dp| and k3 per training step per run and pair
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from mismatch_lab.analysis.steps import step_series
 from mismatch_lab.analysis.violations import train_series
 from mismatch_lab.analysis.volatility import volatility_table
 from mismatch_lab.categories import CATEGORIES
-from mismatch_lab.figures.corrections import fig9_corrections
+from mismatch_lab.figures.corrections import fig8_corrections
 from mismatch_lab.scoring.hf_scorer import SCORE_BATCH_TOKENS, SCORE_CHUNK_ROWS
 from mismatch_lab.store.schema import TOKEN_FIGURE_KINDS
 
@@ -791,7 +791,7 @@ def fig7_batch_invariance(con: duckdb.DuckDBPyConnection, rows: Rows | None = No
 MAX_LEGEND_LINES = 12
 
 
-def fig8_steps(con: duckdb.DuckDBPyConnection, rows: Rows | None = None) -> list[tuple[str, Figure]]:
+def fig9_steps(con: duckdb.DuckDBPyConnection, rows: Rows | None = None) -> list[tuple[str, Figure]]:
     """Claim (DPPO Figs. 3 and 5; FP16 study): the training–inference mismatch a run carries is not a
     constant of the engines — it moves with training (a policy drifting into regions where the two
     precisions disagree more), and a run whose mismatch grows is one a trust region anchored on μ has to
@@ -840,7 +840,7 @@ def fig8_steps(con: duckdb.DuckDBPyConnection, rows: Rows | None = None) -> list
         "counted in the analysis (`analyze`, key steps). Log axes where values span more than two decades."
         + ("" if len(lines) <= MAX_LEGEND_LINES else " Too many lines for a legend: see the analysis table.")
     )
-    return [("fig8_mismatch_over_steps", _finish(fig, "Mismatch over training steps", caption))]
+    return [("fig9_mismatch_over_steps", _finish(fig, "Mismatch over training steps", caption))]
 
 
 FIGURES: dict[str, Callable[[duckdb.DuckDBPyConnection], list[tuple[str, Figure]]]] = {
@@ -851,7 +851,7 @@ FIGURES: dict[str, Callable[[duckdb.DuckDBPyConnection], list[tuple[str, Figure]
     "5": fig5_approximation,
     "6": fig6_training,
     "7": fig7_batch_invariance,
-    "8": fig8_steps,
-    "9": fig9_corrections,
+    "8": fig8_corrections,
+    "9": fig9_steps,
 }
 """Figure number -> function; the command draws them in this order."""

@@ -160,7 +160,7 @@ def test_approximation_draws_top_k_panels_only_where_top_k_is_stored(drawn):
 
 def test_the_steps_figure_plots_the_recorded_runs_per_step_means(drawn, naive):
     _, figs = drawn
-    ax_dp, ax_k3 = figs["8"][0][1].axes[:2]
+    ax_dp, ax_k3 = figs["9"][0][1].axes[:2]
     rec = naive[(naive["run_id"] == RECORDED) & naive["finite"]]
     per = rec.groupby(["scorer", "step"])[["abs_dp", "k3"]].mean()
     assert len(ax_dp.lines) == per.index.get_level_values(0).nunique() == 2
@@ -180,6 +180,6 @@ def test_the_figures_command_on_a_required_columns_store_writes_what_it_can(form
     assert "figure 5 skipped: no exact TV" in printed and "figure 7 skipped" in printed
     written = sorted(p.stem for p in out.glob("*.png"))
     assert written == ["fig1_ratio_tv_vs_mu", "fig2_pi_vs_mu_seq_drift", "fig3_precision_summary",
-                       "fig4_clipped_tokens", "fig6_training_curves", "fig8_mismatch_over_steps",
-                       "fig9_corrections"]  # fmt: skip
+                       "fig4_clipped_tokens", "fig6_training_curves", "fig8_corrections",
+                       "fig9_mismatch_over_steps"]  # fmt: skip
     assert all(p.stat().st_size > 1000 for p in out.glob("*.png"))

@@ -1,4 +1,4 @@
-"""Figure 9 (what each correction method does to the same tokens) draws the numbers of
+"""Figure 8 (what each correction method does to the same tokens) draws the numbers of
 `mismatch_lab.corrections.compare.compare` on the tiny stored study, one row of panels per rollout, and is
 skipped on a store without scored tokens."""
 
@@ -10,7 +10,7 @@ import pytest
 
 from mismatch_lab.corrections.compare import compare
 from mismatch_lab.figures import FIGURES, Skip
-from mismatch_lab.figures.corrections import SHARES, fig9_corrections
+from mismatch_lab.figures.corrections import SHARES, fig8_corrections
 from mismatch_lab.store.reader import open_store
 from mismatch_lab.store.schema import create_schema
 
@@ -19,19 +19,19 @@ from mismatch_lab.store.schema import create_schema
 def drawn(figure_study):
     con = open_store(figure_study)
     try:
-        (stem, fig), = fig9_corrections(con)
+        (stem, fig), = fig8_corrections(con)
         return stem, fig, compare(con)["corrections"]
     finally:
         con.close()
 
 
 def test_figure_9_is_registered():
-    assert FIGURES["9"] is fig9_corrections
+    assert FIGURES["8"] is fig8_corrections
 
 
 def test_one_row_per_rollout_with_its_same_dtype_scorer(drawn):
     stem, fig, _ = drawn
-    assert stem == "fig9_corrections"
+    assert stem == "fig8_corrections"
     titles = [ax.get_title() for ax in fig.axes]
     # vllm:bf16 and vllm:fp16 by their own dtype's HF scorer; the recorded run ('vllm', dtype unknown) by the
     # reference scorer's name it carries none of, so its first scorer; the train run is vllm:bf16 too
@@ -82,5 +82,5 @@ def test_skipped_on_a_store_without_scored_tokens(tmp_path):
     con.close()
     con = open_store(path)
     with pytest.raises(Skip, match="no \\(rollout, scorer\\) pair"):
-        fig9_corrections(con)
+        fig8_corrections(con)
     con.close()

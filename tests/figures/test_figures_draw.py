@@ -15,8 +15,8 @@ from mismatch_lab.store.reader import open_store
 
 STEMS = {
     "fig1_ratio_tv_vs_mu", "fig2_pi_vs_mu_seq_drift", "fig3_precision_summary", "fig4_clipped_tokens",
-    "fig5_tv_approximation", "fig6_training_curves", "fig7_batch_invariance", "fig8_mismatch_over_steps",
-    "fig9_corrections",
+    "fig5_tv_approximation", "fig6_training_curves", "fig7_batch_invariance", "fig8_corrections",
+    "fig9_mismatch_over_steps",
 }  # fmt: skip
 UNIT = re.compile(r"\([^)]*[a-z%][^)]*\)")  # a parenthesised unit, e.g. "(probability)", "(nats)"
 
@@ -103,7 +103,7 @@ def test_steps_figure_draws_the_step_series_of_the_recorded_run(drawn, figure_st
 
     series = step_series(open_store(figure_study))
     assert set(series["run_id"]) == {RECORDED} and set(series["rollout"]) == {"vllm"}
-    fig = drawn["fig8_mismatch_over_steps"]
+    fig = drawn["fig9_mismatch_over_steps"]
     ax_dp, ax_k3 = fig.axes[:2]
     assert len(ax_dp.lines) == len(ax_k3.lines) == series.groupby("scorer").ngroups == 3
     for (scorer, g), line_dp, line_k3 in zip(series.groupby("scorer", sort=True), ax_dp.lines, ax_k3.lines):
@@ -134,14 +134,14 @@ def test_command_writes_png_and_pdf_for_all_studies(figure_study, capsys):
 
 def test_absent_data_is_skipped_with_a_note(plain_study, capsys):
     con = open_store(plain_study)
-    for num in ("5", "6", "7", "8"):  # no exact TV, no training run, one batch size, no steps
+    for num in ("5", "6", "7", "9"):  # no exact TV, no training run, one batch size, no steps
         with pytest.raises(Skip):
             FIGURES[num](con)
-    assert main(["figures", str(plain_study), "--only", "6", "7", "8", "--format", "png"]) == 0
+    assert main(["figures", str(plain_study), "--only", "6", "7", "9", "--format", "png"]) == 0
     printed = capsys.readouterr().out
     assert "figure 6 skipped: no training run" in printed and "figure 7 skipped" in printed
-    assert "figure 8 skipped: no run over training steps" in printed
-    assert not (plain_study / "figures" / "fig8_mismatch_over_steps.png").exists()
+    assert "figure 9 skipped: no run over training steps" in printed
+    assert not (plain_study / "figures" / "fig9_mismatch_over_steps.png").exists()
     assert not (plain_study / "figures" / "fig6_training_curves.png").exists()
 
 

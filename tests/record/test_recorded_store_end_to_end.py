@@ -59,7 +59,7 @@ def test_figures_draw_a_recorded_store(recorded, tmp_path):
     root, _ = recorded
     assert main(["figures", str(root), "--out", str(tmp_path), "--format", "png"]) == 0
     drawn = {p.stem for p in tmp_path.glob("*.png")}
-    assert any(s.startswith("fig8") for s in drawn), drawn  # the per-step figure
+    assert any(s.startswith("fig9_mismatch_over_steps") for s in drawn), drawn  # the per-step figure
     assert any(s.startswith("fig1") for s in drawn), drawn  # token figures read recorded runs too
 
 
