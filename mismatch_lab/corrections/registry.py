@@ -24,6 +24,7 @@ class Method:
     framework  the option of a framework this equals, or '' when none
     sign       whether the rule reads the advantage's sign;  needs: extra inputs ('topk')
     anchored   objectives: whether the trust region is measured against the anchor (False: pg_is, tis)
+    reweights  corrections: whether u may differ from r_c (truncations); the others only drop tokens
     """
 
     name: str
@@ -37,6 +38,7 @@ class Method:
     sign: bool = False
     needs: tuple[str, ...] = field(default=())
     anchored: bool = True
+    reweights: bool = False
 
     def resolve(self, overrides: Mapping[str, float] | None = None) -> dict[str, float]:
         """The method's parameters: its defaults, then `overrides` (unknown names are an error)."""
@@ -97,10 +99,11 @@ def _corrections() -> list[Method]:
         Method("token_tis", "correction", "token", {"cap": D.TIS_CAP}, rules.token_tis, "u = min(r_c, C)",
                "truncated IS per token; C = 2 in verl/slime/miles, 3 in TRL",
                "verl: rollout_is=token, rollout_is_threshold=2.0; TRL: vllm_importance_sampling_mode=token_truncate "
-               "(vllm_importance_sampling_clip_max 3)"),
+               "(vllm_importance_sampling_clip_max 3)", reweights=True),
         Method("seq_tis", "correction", "sequence", {"cap": D.TIS_CAP}, rules.seq_tis,
                "u = min(exp(Σ log r_c), C) on every token", "truncated IS on the sequence's product ratio",
-               "verl: rollout_is=sequence, rollout_is_threshold=2.0; TRL: vllm_importance_sampling_mode=sequence_truncate"),
+               "verl: rollout_is=sequence, rollout_is_threshold=2.0; TRL: vllm_importance_sampling_mode=sequence_truncate",
+               reweights=True),
         Method("token_mis", "correction", "token", {"cap": D.MIS_CAP}, rules.token_mis, "M = 0 where r_c > C",
                "masked IS per token", "TRL: vllm_importance_sampling_mode=token_mask, vllm_importance_sampling_clip_max=3.0"),
         Method("icepop", "correction", "token", {"low": D.ICEPOP_LOW, "high": D.ICEPOP_HIGH}, rules.icepop,
@@ -127,6 +130,15 @@ def _corrections() -> list[Method]:
 
 OBJECTIVES: dict[str, Method] = {m.name: m for m in _objectives()}
 CORRECTIONS: dict[str, Method] = {m.name: m for m in _corrections()}
+
+
+def check_pair(objective: Method, correction: Method) -> None:
+    """ValueError for a pair the loss cannot combine: a reweighting correction replaces the per-token ratio
+    r_c an objective's weight carries, which gspo's and gmpo's sequence-level weights do not carry."""
+    if objective.level == "sequence" and correction.reweights:
+        raise ValueError(f"{objective.name}'s weight is its sequence's geometric-mean ratio, not a token's r: "
+                         f"{correction.name} (which rescales token ratios) does not combine with it; use a masking "
+                         "correction (seq_mis, geo_mis, k3_rs, ...) or a token-level objective (grpo, dppo_*, ...)")
 
 
 def get(axis: str, name: str) -> Method:

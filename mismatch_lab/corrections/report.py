@@ -77,6 +77,8 @@ def tables(vs, tok: pd.DataFrame | None, seq: pd.DataFrame | None, info: pd.Data
     main = desc.merge(tok.groupby(["label", "pair"]).agg(TOKEN_SUMS).reset_index(), how="left", on=["label", "pair"])
     main = main.merge(seq.groupby(["label", "pair"])[["n_seqs", "n_seqs_masked"]].sum().reset_index(),
                       how="left", on=["label", "pair"])
+    # a pair whose every token is non-finite has no sums: its counts are 0 (its shares then NaN, 0 / 0)
+    main = main.fillna({c: 0 for c in ("n_tokens", "n_masked", "n_changed", "s_w", "s_w2", "n_seqs", "n_seqs_masked")})
     out = {"corrections": rates(main)[[*COLUMNS, "n_nonfinite"]]}
     for name, key in SPLITS.items():
         part = tok.groupby(["label", "pair", key], dropna=False).agg(TOKEN_SUMS).reset_index()

@@ -128,7 +128,11 @@ class TrainConfig:
         return out
 
     def validate(self) -> None:
-        from mismatch_lab.corrections.registry import OBJECTIVES
+        from mismatch_lab.corrections.registry import (
+            CORRECTIONS,
+            OBJECTIVES,
+            check_pair,
+        )
         from mismatch_lab.rl.recipes import apply_preset
 
         apply_preset(self)
@@ -136,6 +140,11 @@ class TrainConfig:
 
         if self.loss not in OBJECTIVES:
             raise UserError(f"--loss {self.loss}: unknown objective; use one of {', '.join(OBJECTIVES)}")
+        if self.correction in CORRECTIONS:
+            try:
+                check_pair(OBJECTIVES[self.loss], CORRECTIONS[self.correction])
+            except ValueError as exc:
+                raise UserError(f"--loss {self.loss} --correction {self.correction}: {exc}") from None
         if self.task not in TASKS:
             raise UserError(f"task {self.task!r}: unknown; use one of {', '.join(TASKS)}")
         task = TASKS[self.task]

@@ -34,7 +34,7 @@ from mismatch_lab.corrections.divergences import (  # noqa: F401 - re-exported
     topk_kl,
     topk_tv,
 )
-from mismatch_lab.corrections.registry import CORRECTIONS, Method
+from mismatch_lab.corrections.registry import CORRECTIONS, Method, check_pair
 from mismatch_lab.corrections.registry import OBJECTIVES as _OBJECTIVES
 
 OBJECTIVES = tuple(_OBJECTIVES)
@@ -239,22 +239,35 @@ def policy_loss(
     logp = logp.to(dt)
     b = _batch(objective, logp.detach(), logp_rollout, adv, mask, cfg, topk, logp_old)
     correction = CORRECTIONS[cfg.correction]
+    check_pair(objective, correction)
     obj = objective.rule(b, cfg.objective_params(objective))
     cor = correction.rule(b, correction.resolve(cfg.correction_args))
     zero = torch.zeros((), dtype=dt, device=logp.device)
-    # the correction replaces the rollout ratio r_c the objective's weight carries by u (factor 1 where u = r_c)
-    weight = obj.weight * torch.where(cor.weight == b.rc, 1.0, cor.weight / b.rc)
+    weight = _combined_weight(b, obj, cor, correction.reweights)
     capped = weight > cfg.is_cap
     weight = weight.clamp(max=cfg.is_cap)
     keep = obj.keep & cor.keep
     # zero the weight off `keep` *before* it meets the graph: an inf/nan weight on a masked or padded
     # token must not leak a nan into the gradient (0 · inf)
     weight = torch.where(keep, weight, zero)
-    w = weight * (logp - b.lp).exp()  # value = weight, d/dlogp = weight
+    # value = weight, d/dlogp = weight; the exponent is 0 off `keep` so that a non-finite log π on a padded or
+    # masked cell cannot put exp(nan) · 0 = nan into the gradient
+    w = weight * torch.where(keep, logp - b.lp, zero).exp()
     per_token = torch.where(keep, -w * b.adv, zero)
     loss = aggregate(per_token, mask, cfg, denominator=denominator)
     metrics = _metrics(loss, b, obj.flagged, capped, obj.divergence) | _correction_metrics(b, cor, keep, weight)
     return loss, metrics
+
+
+def _combined_weight(b: Batch, obj, cor, reweights: bool) -> torch.Tensor:
+    """w = w_obj · u / r_c: the correction replaces the rollout ratio r_c the objective's weight carries by u.
+    A masking correction keeps u = r_c, so w = w_obj exactly. A reweighting one (token-level objectives only,
+    registry.check_pair) is applied as w = (w_obj / r) · (π / π_ref) · u, finite where r = π/μ overflows
+    (w_obj / r is exactly 1 where the objective's weight is r itself)."""
+    if not reweights:
+        return obj.weight
+    own = torch.where(obj.weight == b.r, 1.0, obj.weight / b.r)
+    return own * cor.weight if b.lref is b.lp else own * (b.lp - b.lref).exp() * cor.weight
 
 
 def _objective(name: str) -> Method:

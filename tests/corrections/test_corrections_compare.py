@@ -177,3 +177,19 @@ def test_a_store_without_pairs_gives_empty_tables(tmp_path, capsys):
     assert all(df.empty for df in got.values()) and "frac_tokens_masked" in got["corrections"].columns
     assert main(["corrections", "--db", str(path)]) == 0
     assert "nothing to compare" in capsys.readouterr().out
+
+
+def test_a_pair_whose_every_token_is_non_finite_is_listed_with_zero_counts(tmp_path, capsys):
+    import duckdb
+
+    spec = SyntheticSpec(rollouts=("vllm:bf16",), scorers=("hf:fp32", "hf:bf16"), n_sequences=6, rewards="reward")
+    s = synthetic_store(tmp_path / "s.duckdb", spec)
+    with duckdb.connect(str(s.path)) as con:
+        con.execute("UPDATE scores SET logp = NULL, nonfinite = true WHERE scorer = 'hf:bf16'")
+    got = compare(open_store(s.path))["corrections"]
+    dead = got[got.scorer == "hf:bf16"]
+    assert (dead.n_tokens == 0).all() and (dead.n_nonfinite > 0).all() and dead.frac_tokens_masked.isna().all()
+    live = got[(got.scorer == "hf:fp32") & (got.note == "")]  # top-K methods have a note: this store has none
+    assert len(live) and (live.n_tokens > 0).all()
+    assert main(["corrections", "--db", str(s.path)]) == 0
+    assert "vllm:bf16 vs hf:bf16: 0 tokens" in capsys.readouterr().out

@@ -45,6 +45,11 @@ def naive(obj, corr, cfg, lp, lmu, lold, adv, mask, topk, use_old):
 @pytest.mark.parametrize("corr", list(CORRECTIONS))
 @pytest.mark.parametrize("obj", list(OBJECTIVES))
 def test_every_pair_matches_the_naive_loops(obj, corr):
+    if OBJECTIVES[obj].level == "sequence" and CORRECTIONS[corr].reweights:
+        lp, lmu, _, adv, mask, _ = batches()[0]
+        with pytest.raises(ValueError, match="does not combine"):
+            policy_loss(obj, lp, lmu, adv, mask, cfg=LossConfig(correction=corr))
+        return
     configs = [(LossConfig(correction=corr, correction_args=OVERRIDES.get(corr, {})), False),
                (LossConfig(correction=corr, anchor="old", aggregation="seq-mean-token-mean"), True)]
     for cfg, use_old in configs:
@@ -189,3 +194,24 @@ def test_docs_list_every_method_with_its_defaults():
         assert f"| `{m.name}`" in text, m.name
     for name in CORRECTIONS:  # the train command's help is built from the same registry
         assert name in help_text("correction")
+
+
+def test_a_truncation_stays_finite_where_the_ratio_overflows():
+    """log r = 94 overflows r = π/μ in fp32; pg_is + token_tis must give min(r, C) = C, as the legacy tis does."""
+    lp = torch.tensor([[-1.0]])
+    lmu = torch.tensor([[-95.0]])
+    adv, mask = torch.ones(1), torch.ones(1, 1, dtype=torch.bool)
+    a, _ = policy_loss("pg_is", lp, lmu, adv, mask, cfg=LossConfig(correction="token_tis", correction_args={"cap": 3}))
+    b, _ = policy_loss("tis", lp, lmu, adv, mask, cfg=LossConfig())
+    assert a.item() == b.item() == -3.0
+
+
+def test_non_finite_log_probs_on_padding_leave_the_gradient_finite():
+    lp = torch.tensor([[-1.0, -math.inf], [-0.5, math.nan]], requires_grad=True)
+    lmu = torch.tensor([[-1.1, -2.0], [-0.4, -2.0]])
+    mask = torch.tensor([[True, False], [True, False]])
+    for name in ("pg_is", "grpo", "gspo", "gmpo"):
+        lp.grad = None
+        loss, _ = policy_loss(name, lp, lmu, torch.tensor([1.0, -1.0]), mask, cfg=LossConfig())
+        loss.backward()
+        assert torch.isfinite(loss) and torch.isfinite(lp.grad).all(), name
