@@ -51,7 +51,8 @@ def pair_info(con) -> pd.DataFrame:
     'none (two-sided)', or several joined by ' + ')."""
     topk = {"topk_ids_rollout", "topk_logps_rollout"} <= table_columns(con, "tokens") and (
         "logps_at_rollout_topk" in table_columns(con, "scores"))
-    ok = ("coalesce(len(k_ids) > 0 AND len(k_mu) = len(k_ids) AND len(k_pi) = len(k_ids) "
+    # the sampled token's id decides whether it joins the slots: without it the top-K sums are not defined
+    ok = ("coalesce(token_id IS NOT NULL AND len(k_ids) > 0 AND len(k_mu) = len(k_ids) AND len(k_pi) = len(k_ids) "
           "AND list_count(k_mu) = len(k_ids) AND list_count(k_pi) = len(k_ids), false)") if topk else "false"
     return con.execute(f"""
         SELECT rollout, scorer, count(*) FILTER (WHERE finite) AS n_tokens,
