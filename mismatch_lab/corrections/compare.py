@@ -39,6 +39,8 @@ def variants(overrides: Mapping[str, Mapping[str, float]] | None = None) -> list
     `overrides` (label -> {parameter: value})."""
     overrides = dict(overrides or {})
     unknown = set(overrides) - {m.name for m in (*OBJECTIVES.values(), *CORRECTIONS.values())} - {"grpo_clip_higher"}
+    if "tis" in overrides:
+        raise ValueError("tis is not compared (it is pg_is + token_tis at cap 3): set token_tis.cap instead")
     if unknown:
         raise ValueError(f"no method named {', '.join(sorted(unknown))}; methods: "
                          f"{', '.join([*OBJECTIVES, 'grpo_clip_higher', *CORRECTIONS])}")

@@ -58,7 +58,7 @@ def cispo(b: Batch, p: Params) -> Decision:
     """CISPO: M = 1, w = clip(ρ, 1−ε_low, 1+ε_high) · a/μ (every token keeps its gradient)."""
     clipped = b.rho.clamp(min=1 - p["cispo_eps_low"], max=1 + p["cispo_eps_high"])
     weight = clipped if b.la is b.lmu else clipped * (b.la - b.lmu).exp()
-    return Decision(b.mask, weight, clipped != b.rho)
+    return Decision(b.mask, weight, (clipped != b.rho) & ~b.rho.isnan())  # a NaN ratio is not "clipped"
 
 
 def _dppo(divergence, delta_key: str = "delta"):
@@ -98,11 +98,12 @@ def gspo(b: Batch, p: Params) -> Decision:
 
 
 def gmpo(b: Batch, p: Params) -> Decision:
-    """GMPO: per-token log ρ clipped at +ε where A>0 and at −ε where A<0 (both when A is unknown); a
-    clipped token carries no gradient (M = 0); w = exp(mean_t clipped log ρ) · exp(mean_t log a/μ), the
-    geometric mean of the clipped ratios, on every token of the sequence."""
+    """GMPO: per-token log ρ clipped at +ε where the sequence's A > 0 and at −ε where A < 0 (both when A is
+    unknown); a clipped token carries no gradient (M = 0); w = exp(mean_t clipped log ρ) · exp(mean_t log a/μ),
+    the geometric mean of the clipped ratios, on every token of the sequence."""
     eps = p["gmpo_eps"]
-    up, down = b.pos & (b.log_rho > eps), b.neg & (b.log_rho < -eps)
+    pos, neg = spread(b.seq_pos, b.mask) & b.mask, spread(b.seq_neg, b.mask) & b.mask
+    up, down = pos & (b.log_rho > eps), neg & (b.log_rho < -eps)
     clipped = torch.where(up, eps, torch.where(down, -eps, b.log_rho))
     if b.la is not b.lmu:
         clipped = clipped + (b.la - b.lmu)
@@ -150,7 +151,7 @@ def geo_mis(b: Batch, p: Params) -> Decision:
 
 def k3_rs(b: Batch, p: Params) -> Decision:
     """k3 rejection: drop sequences with mean_t (r_c − log r_c − 1) above the threshold."""
-    k3 = b.rc - b.log_rc - 1
+    k3 = torch.where(b.log_rc.isinf(), torch.inf, b.rc - b.log_rc - 1)  # r_c = 0 or inf: k3 = inf, not NaN
     return Decision.dropping_sequences(b, seq_mean(k3, b.mask) > p["threshold"], b.rc)
 
 

@@ -52,13 +52,16 @@ METRICS = {
     "mask/positive_adv/frac": "masked/clipped tokens with A > 0, over tokens with A ≠ 0",
     "correction/masked/frac": "response tokens the rollout correction dropped, over response tokens",
     "correction/seqs_masked/frac": "sequences the rollout correction dropped whole, over sequences with a response token",
-    "correction/modified/frac": "tokens the correction kept with a changed weight (u ≠ r_c), over response tokens",
+    "correction/modified/frac": "tokens the correction kept with a changed weight (u ≠ r_c), over response tokens "
+                                "(seq_tis: every token of a sequence of > 1 token, its weight being the sequence's)",
+    "correction/truncated/frac": "tokens whose weight the correction truncated at its cap (token_tis: r_c > C; "
+                                 "seq_tis: tokens of sequences whose product ratio exceeds C), over response tokens",
     "correction/ess": "effective sample size of the correction's weights u over the tokens it keeps: (Σu)² / (n Σu²)",
     "weight/ess": "effective sample size of the final weights w over the tokens kept by objective and correction",
     "ratio/mean": "mean of r = π/μ over response tokens (always against μ, whatever the anchor)",
     "ratio/min": "min of r over response tokens",
     "ratio/max": "max of r over response tokens",
-    "ratio/capped/frac": "response tokens whose weight hit `is_cap`, over response tokens",
+    "ratio/capped/frac": "kept tokens whose weight hit `is_cap`, over response tokens",
     "mismatch/abs_dp/mean": "mean |π − μ| (probability space) over response tokens",
     "mismatch/abs_dp/max": "max |π − μ| over response tokens",
     "mismatch/abs_dlogp/mean": "mean |log π − log μ| over response tokens",
@@ -244,9 +247,9 @@ def policy_loss(
     cor = correction.rule(b, correction.resolve(cfg.correction_args))
     zero = torch.zeros((), dtype=dt, device=logp.device)
     weight = _combined_weight(b, obj, cor, correction.reweights)
-    capped = weight > cfg.is_cap
-    weight = weight.clamp(max=cfg.is_cap)
     keep = obj.keep & cor.keep
+    capped = keep & (weight > cfg.is_cap)
+    weight = weight.clamp(max=cfg.is_cap)
     # zero the weight off `keep` *before* it meets the graph: an inf/nan weight on a masked or padded
     # token must not leak a nan into the gradient (0 · inf)
     weight = torch.where(keep, weight, zero)
@@ -332,7 +335,8 @@ def _correction_metrics(b: Batch, cor, keep: torch.Tensor, weight: torch.Tensor)
     values = {
         "correction/masked/frac": (b.mask & ~cor.keep).sum() / n,
         "correction/seqs_masked/frac": dropped_seq.sum() / seqs.sum(),
-        "correction/modified/frac": (cor.keep & (cor.weight != b.rc)).sum() / n,
+        "correction/modified/frac": (cor.keep & (cor.weight != b.rc) & ~b.rc.isnan()).sum() / n,
+        "correction/truncated/frac": (cor.keep & cor.flagged & (cor.weight != b.rc)).sum() / n,
         "correction/ess": _ess(cor.weight, cor.keep),
         "weight/ess": _ess(weight, keep),
     }

@@ -54,7 +54,7 @@ def objective_token(name, p, lp, lmu, la, A, two_sided, topk_row, seq):
         return not seq["gspo_drop"], seq["geo_r"], seq["gspo_drop"]
     if name == "gmpo":
         lr = lp - la
-        f = (up and lr > p["gmpo_eps"]) or (down and lr < -p["gmpo_eps"])
+        f = (seq["up"] and lr > p["gmpo_eps"]) or (seq["down"] and lr < -p["gmpo_eps"])
         return not f, seq["gmpo_w"], f
     d = divergence(name, lp, la, topk_row)
     f = ((up and rho > 1) or (down and rho < 1)) and d > p["delta"]
@@ -71,13 +71,13 @@ def sequence_values(name, p, lps, lmus, las, advs, two_sided):
     drop = (up and log_s > math.log(1 + p.get("gspo_eps_high", 0))) or (
         down and log_s < math.log(1 - p.get("gspo_eps_low", 0)))
     clipped = []
-    for lp, lmu, la, a in zip(lps, lmus, las, advs):
-        u, dn = _sign(a, two_sided)
+    for lp, lmu, la in zip(lps, lmus, las):
+        u, dn = up, down  # GMPO clips in the sequence's advantage direction
         lr = lp - la
         e = p.get("gmpo_eps", 0)
         c = e if (u and lr > e) else (-e if (dn and lr < -e) else lr)
         clipped.append(c + (la - lmu))
-    return {"gspo_drop": drop, "geo_r": geo_r, "gmpo_w": math.exp(sum(clipped) / n)}
+    return {"gspo_drop": drop, "geo_r": geo_r, "gmpo_w": math.exp(sum(clipped) / n), "up": up, "down": down}
 
 
 def correction_sequence(name, p, lrefs, lmus, advs, two_sided):

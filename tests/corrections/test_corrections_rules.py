@@ -184,6 +184,11 @@ def test_correction_metrics_count_shares_and_ess():
     _, m = policy_loss("pg_is", b_lp, b_mu, torch.ones(2, dtype=DT), mask, cfg=LossConfig(correction="token_tis"))
     # weights min(r, 2): 2, 2 (truncated from 3), 1, 1 -> ESS = 36 / (4 · 10)
     assert m["correction/modified/frac"] == 0.5 and m["correction/ess"] == pytest.approx(36 / 40)
+    assert m["correction/truncated/frac"] == 0.5
+    _, m = policy_loss("pg_is", b_lp, b_mu, torch.ones(2, dtype=DT), mask, cfg=LossConfig(correction="seq_tis"))
+    # sequence 0's product 9 is truncated at 2 (2 tokens); sequence 1's product 1 is not, yet its weight is the
+    # sequence's (1.0 here, equal to r: unchanged)
+    assert m["correction/truncated/frac"] == 0.5 and m["correction/modified/frac"] == 0.5
 
 
 def test_docs_list_every_method_with_its_defaults():
