@@ -48,7 +48,7 @@ def dropped_tokens(con, method: str, rollout: str, scorer: str, *,
         sums, _, _ = _run(v, list(chunk.parts(np.arange(chunk.n), chunk.n, seqs)), chunk.n, 1)
         keep = sums["n_masked"] == 0
         kept_any = np.logical_or.reduceat(keep, chunk.seq_start)
-        seq_dropped = np.repeat(~kept_any, np.diff(np.append(chunk.seq_start, chunk.n)))
+        seq_dropped = np.repeat(~kept_any, chunk.lengths)
         hit = np.flatnonzero(~keep)
         part = keys.iloc[offset + hit].reset_index(drop=True)
         part["log_ratio"] = (chunk.lpi - chunk.lmu)[hit]

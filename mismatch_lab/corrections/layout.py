@@ -17,6 +17,12 @@ from mismatch_lab.analysis.relations import col, table_columns
 SIGN_CODES = {"positive": 0, "negative": 1, "zero": 2, "unknown": 3}
 
 
+def ragged(lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(row, col) of every element of ragged rows of lengths `lens` [R], row-major: both [Σ lens]."""
+    rows = np.repeat(np.arange(len(lens)), lens)
+    return rows, np.arange(lens.sum()) - np.repeat(np.cumsum(lens) - lens, lens)
+
+
 def _joined(con, topk: bool) -> str:
     """SQL: one row per (token, scorer): rollout, scorer, run/seq/pos, lmu, lpi, finite, category, mu_bucket,
     adv (NULL when unknown), adv_source; with topk the rollout's top-K ids / log-probs and the scorer's
@@ -94,13 +100,17 @@ class Chunk:
     def r(self) -> np.ndarray:
         return np.exp(self.lpi - self.lmu)
 
+    @property
+    def lengths(self) -> np.ndarray:
+        """[S] response tokens of each sequence."""
+        return np.diff(np.append(self.seq_start, self.n))
+
     def seq_sign(self) -> np.ndarray:
         a = self.adv[self.seq_start] if self.n else np.zeros(0)
         return np.select([np.isnan(a), a > 0, a < 0], [3, 0, 1], 2)
 
     def token_keys(self) -> pd.DataFrame:
-        lengths = np.diff(np.append(self.seq_start, self.n))
-        return pd.DataFrame({"pair": self.pair, "adv_sign": np.repeat(self.seq_sign(), lengths),
+        return pd.DataFrame({"pair": self.pair, "adv_sign": np.repeat(self.seq_sign(), self.lengths),
                              "mu_bucket": self.mu_bucket, "category": self.category})
 
     def seq_keys(self) -> pd.DataFrame:
@@ -109,7 +119,7 @@ class Chunk:
     def parts(self, gid: np.ndarray, n_groups: int, sid: np.ndarray) -> Iterator[Part]:
         """[B, T] batches: sequences grouped by ceil(log2 length) and by whether the advantage is known.
         gid [n]: each token's group (padding cells get n_groups); sid [S]: each sequence's group."""
-        lengths = np.diff(np.append(self.seq_start, self.n))
+        lengths = self.lengths
         known = ~np.isnan(self.adv[self.seq_start])
         group = np.ceil(np.log2(lengths)).astype(np.int64) * 2 + known
         for g in np.unique(group):
@@ -123,8 +133,7 @@ class Chunk:
         from mismatch_lab.corrections.divergences import TopK
 
         lens, starts = lengths[seqs], self.seq_start[seqs]
-        rows = np.repeat(np.arange(len(seqs)), lens)
-        cols = np.arange(lens.sum()) - np.repeat(np.cumsum(lens) - lens, lens)
+        rows, cols = ragged(lens)
         index = np.repeat(starts, lens) + cols
         shape = (len(seqs), int(lens.max()))
 
@@ -149,8 +158,7 @@ def _topk_arrays(batch: pa.RecordBatch) -> tuple:
     lens = ids.value_lengths().to_numpy(zero_copy_only=False)
     k = int(lens.max()) if len(lens) else 0
     n = len(lens)
-    rows = np.repeat(np.arange(n), lens)
-    cols = np.arange(lens.sum()) - np.repeat(np.cumsum(lens) - lens, lens)
+    rows, cols = ragged(lens)
 
     def pad(arr, fill, dtype):
         out = np.full((n, k + 1), fill, dtype=dtype)
