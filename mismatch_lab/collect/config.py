@@ -126,7 +126,8 @@ def add_arguments(parser) -> None:
       help="weights the rollout engine gets: the checkpoint's (none, default), rounded to float8 e4m3 per output "
            "channel (fp8) or to bfloat16 (bf16); the scorers keep the checkpoint's")
     a("--scorer-dtypes", dest="scorer_dtypes",
-      help="comma list of bf16,fp16,fp32 (HF trainer) and vllm:<dtype> (vLLM prefill)")
+      help="comma list of bf16,fp16,fp32 (HF trainer), <dtype>-w<rounding> (HF at <dtype> on weights rounded "
+           "to bf16|fp16|fp8, e.g. fp32-wbf16) and vllm:<dtype> (vLLM prefill)")
     a("--top-k", dest="top_k", type=int, help="top-K recorded per token, 0..20 (default 20)")
     a("--seed", type=int)
     a("--db", help="DuckDB file to write (default: studies/<name>/<name>.duckdb)")

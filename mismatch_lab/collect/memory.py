@@ -168,23 +168,28 @@ def plan_memory(shapes: Shapes, w: Workload, device: str, total: int, *, gpus: i
     return plan
 
 
+def _bytes(scorer_dtype: str) -> int:
+    """Bytes per parameter of an HF scorer dtype: that of its compute dtype ('fp32-wbf16' computes in fp32)."""
+    return BYTES[scorer_dtype.partition("-w")[0]]
+
+
 def _scorer_items(shapes: Shapes, w: Workload, placement: str, gpus: int) -> list[Item]:
     if not w.scorer_dtypes:
         return []
     P, H = shapes.params(), shapes.hidden
     model_where = "host" if placement == "in_turn" else "device"
     share = gpus if placement == "auto" else 1
-    items = [Item(f"HF scorer {d}", P * BYTES[d] // share, "model" + (f" / {gpus} GPUs" if share > 1 else ""), model_where)
+    items = [Item(f"HF scorer {d}", P * _bytes(d) // share, "model" + (f" / {gpus} GPUs" if share > 1 else ""), model_where)
              for d in w.scorer_dtypes]
     if placement == "in_turn":
-        big = max(w.scorer_dtypes, key=BYTES.get)
-        items.append(Item("HF scorer decoder in its turn", P * BYTES[big], f"the largest ({big}), one at a time"))
-        items += [Item(f"HF scorer lm_head {d}", shapes.head_params() * BYTES[d], "on the device for phase 2")
+        big = max(w.scorer_dtypes, key=_bytes)
+        items.append(Item("HF scorer decoder in its turn", P * _bytes(big), f"the largest ({big}), one at a time"))
+        items += [Item(f"HF scorer lm_head {d}", shapes.head_params() * _bytes(d), "on the device for phase 2")
                   for d in w.scorer_dtypes]
-    worst = max(w.scorer_dtypes, key=BYTES.get)
+    worst = max(w.scorer_dtypes, key=_bytes).partition("-w")[0]
     width = min(w.seq_len, w.batch_tokens)
     act = shapes.forward_activation_bytes(w.batch_tokens, width, worst) + shapes.vocab_chunk_bytes(w.chunk_rows, worst)
-    kept = sum(BYTES[d] for d in w.scorer_dtypes) * H
+    kept = sum(_bytes(d) for d in w.scorer_dtypes) * H
     items.append(Item("scorer activations per micro-batch", act + w.batch_tokens * kept,
                       f"{w.batch_tokens} tokens, {w.chunk_rows} vocabulary rows"))
     items.append(Item("scorer hidden states of a chunk", w.chunk_tokens * kept, f"{w.chunk_tokens} response tokens",

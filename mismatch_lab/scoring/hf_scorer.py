@@ -1,6 +1,10 @@
 """Trainer-side scoring: the HF model re-scores exactly the rollout's token ids by teacher forcing.
 
-For every scorer dtype (bf16 / fp16 / fp32) the same checkpoint is loaded once. A call scores its items in
+For every scorer dtype (bf16 / fp16 / fp32) the same checkpoint is loaded once. A dtype may also read
+`<dtype>-w<rounding>` (e.g. 'fp32-wbf16'): compute in `<dtype>` on the checkpoint's weights rounded by
+`engines.weights.round_state(..., <rounding>)` (rounded from the checkpoint's own precision, then cast to
+`<dtype>`), scored under the label 'hf:fp32-wbf16'. Beside 'hf:fp32' and 'hf:bf16' it splits the pair's
+mismatch into weight rounding (fp32 vs fp32-wbf16) and compute precision (fp32-wbf16 vs bf16). A call scores its items in
 two phases so that no two dtypes' decoders need to be on the compute device together:
 
 1. each dtype's decoder in turn runs every micro-batch and keeps only the final hidden states of the
@@ -36,6 +40,18 @@ REF_DTYPE = "fp32"
 SCORE_BATCH_TOKENS = 8192  # padded tokens per scorer forward (the default of --score-batch-tokens)
 SCORE_CHUNK_ROWS = 1024  # rows per chunk of the vocabulary projection (the default of --score-chunk-rows)
 PLACEMENTS = ("resident", "in_turn", "auto")
+
+
+def split_dtype(spec: str) -> tuple[str, str]:
+    """A scorer dtype -> (compute dtype, weight rounding): 'fp32' -> ('fp32', 'none'),
+    'fp32-wbf16' -> ('fp32', 'bf16'). Raises ValueError for an unknown dtype or rounding."""
+    from mismatch_lab.engines.weights import ROUNDERS
+
+    compute, sep, rounding = spec.partition("-w")
+    if compute not in TORCH_DTYPES or (sep and rounding not in ROUNDERS):
+        raise ValueError(f"unknown scorer dtype {spec!r}; use bf16, fp16 or fp32, or <dtype>-w<rounding> with a "
+                         f"rounding of {', '.join(ROUNDERS)} (e.g. fp32-wbf16)")
+    return compute, rounding if sep else "none"
 
 
 @dataclass
@@ -91,8 +107,7 @@ class HFScorer:
         import torch
 
         for d in dtypes:
-            if d not in TORCH_DTYPES:
-                raise ValueError(f"unknown scorer dtype {d!r}; use bf16, fp16 or fp32")
+            split_dtype(d)
         if placement not in PLACEMENTS:
             raise ValueError(f"unknown placement {placement!r}; use one of {', '.join(PLACEMENTS)}")
         self.dtypes = list(dict.fromkeys(dtypes))
@@ -111,8 +126,17 @@ class HFScorer:
         import torch
         from transformers import AutoModelForCausalLM
 
+        from mismatch_lab.engines.weights import round_state
+
+        compute, rounding = split_dtype(dtype)
         kw = {"device_map": "auto"} if self.placement == "auto" else {}
-        m = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, TORCH_DTYPES[dtype]), **kw)
+        if rounding == "none":
+            m = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, TORCH_DTYPES[compute]), **kw)
+        else:  # rounded from the checkpoint's own precision (loaded as fp32), then cast to the compute dtype
+            m = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32, **kw)
+            with torch.no_grad():
+                m.load_state_dict(round_state(m.state_dict(), rounding))
+            m = m.to(getattr(torch, TORCH_DTYPES[compute]))
         if self.placement == "resident":
             m = m.to(self.device)
         return m.eval()
@@ -140,12 +164,13 @@ class HFScorer:
                 "pi_definition": "log_softmax in fp32 of (h @ W.T) computed in the scorer dtype"}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Copy new weights into every scorer copy (training: the scorers follow the trained policy); strict:
-        a name that does not match is an error naming it."""
+        """Copy new weights into every scorer copy (training: the scorers follow the trained policy; a
+        '-w<rounding>' copy gets them rounded); strict: a name that does not match is an error naming it."""
+        from mismatch_lab.engines.weights import round_state
         from mismatch_lab.models import load_state_dict_checked
 
-        for m in self.models.values():
-            load_state_dict_checked(m, state_dict)
+        for d, m in self.models.items():
+            load_state_dict_checked(m, round_state(state_dict, split_dtype(d)[1]))
         self._refresh_heads()
 
     # ------------------------------------------------------------------------------------------------
