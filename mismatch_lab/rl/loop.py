@@ -49,7 +49,8 @@ LOSS_FIELDS = ("eps_low", "eps_high", "delta", "is_cap", "tis_cap", "cispo_eps_l
                "correction")
 # fields added after runs were stored: left out of the run id at their default, so stored runs keep their ids
 _IN_RUN_ID_UNLESS_DEFAULT = ("gspo_eps_low", "gspo_eps_high", "gmpo_eps", "correction", "correction_args", "preset",
-                             "dynamic_sampling", "max_rounds", "overlong_cache", "overlong_max", "rollout_weights")
+                             "dynamic_sampling", "max_rounds", "overlong_cache", "overlong_max", "rollout_weights",
+                             "split_scorer")
 # fields that do not change what a run computes: excluded from the run id, so `--steps 20` extends a run of 10
 _NOT_IN_RUN_ID = ("steps", "db", "out", "checkpoint_every", "study", "kv_cache_mb")
 
@@ -78,6 +79,9 @@ class TrainConfig:
     rollout_dtype: str = "bf16"
     rollout_weights: str = "none"  # fp8: the engine gets weights rounded to e4m3 per output channel (engines/weights.py)
     trainer_dtype: str = "fp32"
+    # bf16 / fp16 / fp8: also score each step's tokens on the trainer weights rounded to that grid, computed in fp32,
+    # and log mismatch/weight_rounding/* (weight rounding alone; docs/rl.md). Off by default
+    split_scorer: str = "none"
     checkpoint_every: int = 4
     db: str = "runs/train.duckdb"
     out: str = "runs"  # checkpoints go to <out>/<run_id>/checkpoint.pt (runs/ is git-ignored)
@@ -155,6 +159,13 @@ class TrainConfig:
                 raise UserError(f"{flag} {d}: use one of {', '.join(DTYPES)}")
         if self.rollout_weights not in ("none", "fp8"):
             raise UserError(f"--rollout-weights {self.rollout_weights}: use none or fp8")
+        from mismatch_lab.engines.weights import ROUNDINGS
+
+        if self.split_scorer not in ROUNDINGS:
+            raise UserError(f"--split-scorer {self.split_scorer}: use one of {', '.join(ROUNDINGS)}")
+        if self.split_scorer != "none" and self.trainer_dtype != "fp32":
+            raise UserError(f"--split-scorer {self.split_scorer} needs --trainer-dtype fp32: against a "
+                            f"{self.trainer_dtype} trainer the difference would mix in compute precision")
         if self.overlong_cache < 0 or self.overlong_cache > (self.overlong_max or self.max_tokens):
             raise UserError(f"--overlong-cache {self.overlong_cache} must be in 0..L_max (--overlong-max, 0 = max_tokens)")
         for name in ("prompts_per_step", "max_tokens", "steps", "checkpoint_every", "minibatches", "kv_cache_mb",
@@ -370,6 +381,10 @@ def run_step(cfg: TrainConfig, ctx: dict, step: int) -> dict[str, float]:
     times: dict[str, float] = {}
     with parts.timed(times, "rollout"):
         batch = parts.rollout_batch(cfg, ctx["engine"], ctx["tokenizer"], ctx["task"], step, top_k=cfg.topk)
+    split = {}
+    if cfg.split_scorer != "none":  # on the weights that rolled out, before this step's update
+        with parts.timed(times, "split_score"):
+            split = parts.weight_rounding_metrics(ctx["model"], batch, cfg.split_scorer, ctx)
     scored = parts.train_on_batch(ctx["model"], ctx["optimizer"], batch, cfg, ctx["loss_cfg"], topk=ctx["use_topk"],
                                   times=times)
     with parts.timed(times, "rescore"):
@@ -378,7 +393,7 @@ def run_step(cfg: TrainConfig, ctx: dict, step: int) -> dict[str, float]:
     with parts.timed(times, "sync"):
         sync_weights(ctx["engine"], ctx["model"], cfg.rollout_weights)
     times["time/step/seconds"] = time.perf_counter() - t_step
-    metrics = parts.step_metrics(batch, scored, bad, times, lr=cfg.lr)
+    metrics = parts.step_metrics(batch, scored, bad, times, lr=cfg.lr) | split
     parts.write_step(ctx["writer"], ctx["run_id"], step, batch, scored, metrics, scorer=ctx["scorer"],
                      texts=ctx["texts"], seconds=time.perf_counter() - t_step)
     return metrics

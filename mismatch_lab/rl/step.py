@@ -234,6 +234,31 @@ def rescore(model, batch: Batch, logp_before: torch.Tensor, *, trainer_dtype: st
     return bad | {k.replace("bad_update/", "bad_update_vs_pi/"): v for k, v in bad_pi.items()}
 
 
+def weight_rounding_metrics(model, batch: Batch, kind: str, cache: dict | None = None) -> dict[str, float]:
+    """mismatch/weight_rounding/abs_dlogp/{mean,max}: |log π_rounded − log π| over the batch's response tokens,
+    where π is the (fp32) trainer on its current weights and π_rounded the same weights rounded to `kind`
+    (`engines.weights.round_state`: bf16, fp16, fp8) computed in fp32: the weight rounding alone, the scorer
+    'hf:fp32-w<kind>' of `collect`. No gradients. `cache` keeps the fp32 copy that receives the rounded
+    weights between steps (key 'split_model')."""
+    import copy
+
+    from mismatch_lab.engines.weights import round_state
+    from mismatch_lab.rl.loop import response_logps
+
+    cache = {} if cache is None else cache
+    with torch.no_grad():
+        rounded = cache.get("split_model")
+        if rounded is None:
+            rounded = cache["split_model"] = copy.deepcopy(model).float().eval()
+        rounded.load_state_dict(round_state(model.state_dict(), kind))
+        lp = response_logps(model, batch.prompt_ids, batch.responses, trainer_dtype="fp32")[0]
+        lp_r = response_logps(rounded, batch.prompt_ids, batch.responses, trainer_dtype="fp32")[0]
+    T = batch.mask.shape[1]
+    d = (lp_r[:, :T] - lp[:, :T]).abs()[batch.mask.bool()]
+    return {"mismatch/weight_rounding/abs_dlogp/mean": float(d.mean()) if d.numel() else 0.0,
+            "mismatch/weight_rounding/abs_dlogp/max": float(d.max()) if d.numel() else 0.0}
+
+
 def sync_weights(engine, model, transform=None) -> None:
     """Push the trainer's weights into the rollout engine (through `transform`, e.g. fp8 rounding)."""
     state = model.state_dict()
