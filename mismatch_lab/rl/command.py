@@ -47,7 +47,9 @@ def _registry_help() -> dict[str, str]:
 
     return {"loss": f"base objective (docs/corrections.md): {help_text('objective')}",
             "correction": f"rollout correction applied on top (default none): {help_text('correction')}",
-            "correction_args": "override the correction's thresholds: name=value[,name=value], e.g. cap=3"}
+            "correction_args": "override the correction's thresholds: name=value[,name=value], e.g. cap=3",
+            "split_scorer": "also score each step's tokens on the trainer weights rounded to this grid, in fp32 "
+                            "(needs an fp32 trainer): logs mismatch/weight_rounding/abs_dlogp (default none)"}
 
 
 def add_arguments(parser) -> None:
@@ -70,9 +72,11 @@ def add_arguments(parser) -> None:
 
 def _choices(name: str):
     from mismatch_lab.corrections.registry import CORRECTIONS, OBJECTIVES
+    from mismatch_lab.engines.weights import ROUNDINGS
     from mismatch_lab.rl.recipes import PRESETS
 
-    return {"loss": list(OBJECTIVES), "correction": list(CORRECTIONS), "preset": list(PRESETS)}.get(name)
+    return {"loss": list(OBJECTIVES), "correction": list(CORRECTIONS), "preset": list(PRESETS),
+            "split_scorer": list(ROUNDINGS)}.get(name)
 
 
 def load_config(args) -> TrainConfig:
