@@ -15,6 +15,7 @@ from mismatch_lab.analysis import definitions as d
 from mismatch_lab.analysis.relations import col, table_columns
 
 SIGN_CODES = {"positive": 0, "negative": 1, "zero": 2, "unknown": 3}
+"""The advantage-sign group of a sequence, as `Chunk.seq_sign` codes it (report.py names them back)."""
 
 
 def ragged(lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -97,17 +98,14 @@ class Chunk:
         return len(self.lmu)
 
     @property
-    def r(self) -> np.ndarray:
-        return np.exp(self.lpi - self.lmu)
-
-    @property
     def lengths(self) -> np.ndarray:
         """[S] response tokens of each sequence."""
         return np.diff(np.append(self.seq_start, self.n))
 
     def seq_sign(self) -> np.ndarray:
         a = self.adv[self.seq_start] if self.n else np.zeros(0)
-        return np.select([np.isnan(a), a > 0, a < 0], [3, 0, 1], 2)
+        c = SIGN_CODES
+        return np.select([np.isnan(a), a > 0, a < 0], [c["unknown"], c["positive"], c["negative"]], c["zero"])
 
     def token_keys(self) -> pd.DataFrame:
         return pd.DataFrame({"pair": self.pair, "adv_sign": np.repeat(self.seq_sign(), self.lengths),

@@ -20,7 +20,9 @@ import math
 
 import pandas as pd
 
-SIGN_NAMES = {0: "positive", 1: "negative", 2: "zero", 3: "unknown"}
+from mismatch_lab.corrections.layout import SIGN_CODES
+
+SIGN_NAMES = {code: name for name, code in SIGN_CODES.items()}
 SPLITS = {"by_adv_sign": "adv_sign", "by_mu_bucket": "mu_bucket", "by_category": "category"}
 TOKEN_SUMS = {"n_tokens": "sum", "n_masked": "sum", "n_changed": "sum", "s_w": "sum", "s_w2": "sum", "x_w": "max"}
 

@@ -74,10 +74,13 @@ def _dppo(divergence, delta_key: str = "delta"):
     return rule
 
 
+NEEDS_TOPK = ("needs `topk` (TopK with anchor_logps and logps [B, T, K]); request top-K log-probs "
+              "from the rollout engine or use a dppo_binary_* objective")
+
+
 def _topk(b: Batch) -> TopK:
     if b.topk is None:
-        raise ValueError("dppo_topk_* needs top-K log-probs (TopK with anchor_logps and logps [B, T, K]); "
-                         "request top-K log-probs from the rollout engine or use a dppo_binary_* objective")
+        raise ValueError(f"dppo_topk_* {NEEDS_TOPK}")
     return b.topk
 
 

@@ -36,6 +36,7 @@ from mismatch_lab.corrections.divergences import (  # noqa: F401 - re-exported
 )
 from mismatch_lab.corrections.registry import CORRECTIONS, Method, check_pair
 from mismatch_lab.corrections.registry import OBJECTIVES as _OBJECTIVES
+from mismatch_lab.corrections.rules import NEEDS_TOPK
 
 OBJECTIVES = tuple(_OBJECTIVES)
 """Base objectives (registry order)."""
@@ -301,8 +302,7 @@ def _batch(objective: Method, lp, logp_rollout, adv, mask, cfg: LossConfig, topk
 
 def _check_topk(name: str, topk, shape, cfg: LossConfig) -> TopK:
     if topk is None:
-        raise ValueError(f"{name} needs `topk` (TopK with anchor_logps and logps [B, T, K]); "
-                         "request top-K log-probs from the rollout engine or use a dppo_binary_* objective")
+        raise ValueError(f"{name} {NEEDS_TOPK}")
     topk = TopK.coerce(topk)
     b, t = shape
     for name_, x in (("anchor_logps", topk.anchor_logps), ("logps", topk.logps)):
