@@ -29,7 +29,8 @@ TOKEN_COLUMNS = [
 ]  # fmt: skip
 SEQUENCE_SUMMARY_COLUMNS = [
     "seq_n", "seq_n_nonfinite", "seq_len_mean", "seq_logratio_sum_mean",
-    "seq_logratio_slope_per_1k", "seq_logratio_intercept", "seq_kl_k1_mean", "seq_kl_k3_mean",
+    "seq_logratio_slope_per_1k", "seq_logratio_slope_ci_low_per_1k", "seq_logratio_slope_ci_high_per_1k",
+    "seq_logratio_intercept", "seq_kl_k1_mean", "seq_kl_k3_mean",
 ]  # fmt: skip
 PRECISION_COLUMNS = ["rollout", "scorer", *TOKEN_COLUMNS, *SEQUENCE_SUMMARY_COLUMNS]
 NOISE_FLOOR_COLUMNS = ["rollout", "scorer", "reference", *TOKEN_COLUMNS, *SEQUENCE_SUMMARY_COLUMNS]
@@ -70,16 +71,22 @@ def token_metrics(s: pd.DataFrame) -> pd.DataFrame:
 def drift_summary(seqs: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
     """SEQUENCE_SUMMARY_COLUMNS per `keys` from per-sequence rows (rows.Rows.sequences). The slope is the
     least-squares fit of logratio_sum on response_len over sequences without a non-finite row, times
-    1000 (per 1K tokens); NaN with fewer than two distinct lengths."""
+    1000 (per 1K tokens), with its 95 % t-interval (n − 2 degrees of freedom, analysis.stats.slope_ci);
+    the slope is NaN with fewer than two distinct lengths, the interval with fewer than three sequences."""
+    from mismatch_lab.analysis.stats import slope_ci
+
     out = []
     for key, g in seqs.groupby(keys, sort=True, dropna=False):
         ok = g[g["logratio_sum"].notna()]
         x, y = ok["response_len"].to_numpy(float), ok["logratio_sum"].to_numpy(float)
-        slope = intercept = np.nan
+        slope = intercept = lo = hi = np.nan
         if len(x) >= 2 and np.ptp(x) > 0:
             xc = x - x.mean()
             slope = float((xc * (y - y.mean())).sum() / (xc * xc).sum())
             intercept = float(y.mean() - slope * x.mean())
+        if len(x) >= 3 and np.ptp(x) > 0:
+            fit = slope_ci(x, y)
+            lo, hi = fit.ci_low, fit.ci_high
         out.append(
             dict(zip(keys, key if isinstance(key, tuple) else (key,)))
             | {
@@ -88,6 +95,8 @@ def drift_summary(seqs: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
                 "seq_len_mean": x.mean() if len(x) else np.nan,
                 "seq_logratio_sum_mean": y.mean() if len(y) else np.nan,
                 "seq_logratio_slope_per_1k": 1000.0 * slope,
+                "seq_logratio_slope_ci_low_per_1k": 1000.0 * lo,
+                "seq_logratio_slope_ci_high_per_1k": 1000.0 * hi,
                 "seq_logratio_intercept": intercept,
                 "seq_kl_k1_mean": ok["seq_kl_k1"].mean(),
                 "seq_kl_k3_mean": ok["seq_kl_k3"].mean(),

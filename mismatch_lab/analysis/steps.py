@@ -13,6 +13,11 @@ each token's sequence step; a token whose sequence row is missing or has no step
 * frac_ratio_outside_clip  share with r < clip_low or r > clip_high (default [0.8, 1.28])
 The metrics are those of `precision.token_metrics`, computed from the same additive sums (the grid of
 `rows.Rows.grid`, rolled up by step), so a step's row equals the precision table of that step's tokens alone.
+
+`growth(series, metric)`: per (run_id, rollout, scorer) with at least 3 steps, the OLS slope of the metric
+on the step number (per step) with its two-sided 95 % t-interval (n_steps − 2 degrees of freedom;
+stats.slope_ci): does a run's mismatch grow as it trains? The steps are points of one run, not independent
+draws, so the interval reads as "how well a line fits", not as a test across runs.
 """
 
 from __future__ import annotations
@@ -62,3 +67,21 @@ def step_series(
     out = pd.concat([s[keys], token_metrics(s)], axis=1)
     out["step"] = out["step"].astype("int64")
     return out.sort_values(["run_id", "rollout", "scorer", "step"]).reset_index(drop=True)[STEP_COLUMNS]
+
+
+GROWTH_COLUMNS = ["run_id", "rollout", "scorer", "n_steps", "slope", "ci_low", "ci_high"]
+
+
+def growth(series: pd.DataFrame, metric: str = "abs_dp_mean") -> pd.DataFrame:
+    """GROWTH_COLUMNS from a step_series frame: the per-step slope of `metric` and its 95 % t-interval, for
+    every (run_id, rollout, scorer) with at least 3 steps where the metric is not null."""
+    from mismatch_lab.analysis.stats import slope_ci
+
+    out = []
+    for (run_id, rollout, scorer), g in series.groupby(["run_id", "rollout", "scorer"], sort=True):
+        g = g[g[metric].notna()]
+        if g["step"].nunique() < 3:
+            continue
+        fit = slope_ci(g["step"], g[metric])
+        out.append([run_id, rollout, scorer, len(g), fit.slope, fit.ci_low, fit.ci_high])
+    return pd.DataFrame(out, columns=GROWTH_COLUMNS)

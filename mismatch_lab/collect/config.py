@@ -23,6 +23,7 @@ class CollectConfig:
     prompts: str = "data/default_prompts.jsonl"  # JSON Lines {"id", "prompt", optional "answer"}
     samples: int = 4  # sampled responses per prompt
     max_tokens: int = 64  # generated tokens per response at most
+    min_tokens: int = 0  # EOS forbidden before this many tokens (long-sequence studies); 0 = off, out of the run id
     engine: str = "vllm"  # rollout engine: vllm | hf
     rollout_dtypes: list = field(default_factory=lambda: ["bf16", "fp16", "fp32"])
     rollout_weights: str = "none"  # fp8 | bf16: the rollout engine gets rounded weights (engines/weights.py)
@@ -63,6 +64,8 @@ class CollectConfig:
         for name in ("chunk_tokens", "chunk_prompts", "gen_batch"):
             if int(getattr(self, name)) < 0:
                 raise UserError(f"--{name.replace('_', '-')} must be 0 (automatic) or more")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise UserError(f"--min-tokens {self.min_tokens} must be between 0 and --max-tokens {self.max_tokens}")
         if not 0.0 <= self.gpu_memory_utilization < 1.0:
             raise UserError("--gpu-memory-utilization must be in (0, 1), or 0 for the memory plan's value")
         if self.memory_plan not in ("check", "off"):
@@ -81,7 +84,7 @@ class CollectConfig:
         return self.chunk_tokens or CHUNK_TOKENS["cuda" if device.startswith("cuda") else "cpu"]
 
 
-INTS = ("samples", "max_tokens", "top_k", "seed", "chunk_tokens", "chunk_prompts", "gen_batch", "score_chunk_rows",
+INTS = ("samples", "max_tokens", "min_tokens", "top_k", "seed", "chunk_tokens", "chunk_prompts", "gen_batch", "score_chunk_rows",
         "score_batch_tokens", "max_model_len", "tensor_parallel_size", "data_parallel_size")
 
 
@@ -120,6 +123,9 @@ def add_arguments(parser) -> None:
     a("--prompts", help="JSON Lines file of {\"id\", \"prompt\", optional \"answer\"}")
     a("--samples", type=int, help="sampled responses per prompt (default 4)")
     a("--max-tokens", dest="max_tokens", type=int, help="max generated tokens per response (default 64)")
+    a("--min-tokens", dest="min_tokens", type=int,
+      help="forbid the end of sequence before this many tokens (default 0 = off); μ and π stay the raw "
+           "distributions, before that mask")
     a("--engine", choices=["vllm", "hf"], help="rollout engine (default vllm)")
     a("--rollout-dtypes", dest="rollout_dtypes", help="comma list of bf16,fp16,fp32")
     a("--rollout-weights", dest="rollout_weights", choices=["none", "fp8", "bf16"],

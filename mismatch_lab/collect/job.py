@@ -83,6 +83,8 @@ def prepare(cfg: CollectConfig, *, verbose: bool = False) -> Job:
               vllm_dtypes, device)
     # the run id hashes what determines a run's rows (RUN_LOCAL fields do not)
     job.base_cfg = {k: v for k, v in asdict(cfg).items() if k not in RUN_LOCAL}
+    if not cfg.min_tokens:  # added later: at its default it leaves the run ids of stored studies unchanged
+        del job.base_cfg["min_tokens"]
     if cfg.rollout_weights == "none":  # hashed only when set: the run ids of earlier stores stay what they were
         del job.base_cfg["rollout_weights"]
     job.base_cfg.update(model_resolved=model, prompts_sha256=_file_sha(cfg.prompts), chat_template=templated,
@@ -251,7 +253,8 @@ def _one_chunk(job: Job, writer, run: PendingRun, c: int, engine, work, texts) -
             reqs.append(GenRequest(prompt_ids=job.prompt_ids[pi], seed=sample_seed(cfg.seed, pi, s)))
     step = cfg.gen_batch or len(reqs)
     samples = [smp for b in range(0, len(reqs), step)
-               for smp in engine.generate(reqs[b:b + step], max_tokens=cfg.max_tokens, top_k=cfg.top_k)]
+               for smp in engine.generate(reqs[b:b + step], max_tokens=cfg.max_tokens, top_k=cfg.top_k,
+                                             min_tokens=cfg.min_tokens)]
     items = [ScoreItem(r.prompt_ids, s.token_ids, s.topk_ids) for r, s in zip(reqs, samples)]
     scored = work.scorer.score(items) if work.scorer else {}
     for vd in job.vllm_dtypes:

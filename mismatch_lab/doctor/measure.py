@@ -35,7 +35,6 @@ from mismatch_lab.analysis import definitions as d
 from mismatch_lab.analysis.relations import Filters, query, table_columns
 from mismatch_lab.analysis.rows import Rows
 from mismatch_lab.doctor import bands as B
-from mismatch_lab.doctor.stats import slope_ci
 
 LN_LOW, LN_HIGH = math.log(B.IS_WEIGHT_LOW), math.log(B.IS_WEIGHT_HIGH)
 
@@ -102,20 +101,17 @@ def pairs(m: Measurements) -> pd.DataFrame:
 
 def steps(m: Measurements) -> pd.DataFrame:
     """One row per (run_id, rollout, scorer) with at least 3 steps: the growth of mean |π − μ| (module doc)."""
-    from mismatch_lab.analysis.steps import step_series
+    from mismatch_lab.analysis.steps import growth, step_series
 
     series = step_series(m.con, _rows=m.rows)
+    fits = growth(series, "abs_dp_mean")
     out = []
-    for (run_id, rollout, scorer), g in series.groupby(["run_id", "rollout", "scorer"], sort=True):
-        g = g[g["abs_dp_mean"].notna()].sort_values("step")
-        if len(g) < 3:
-            continue
-        fit = slope_ci(g["step"], g["abs_dp_mean"])
+    for fit in fits.itertuples(index=False):
+        g = series[(series["run_id"] == fit.run_id) & (series["rollout"] == fit.rollout)
+                   & (series["scorer"] == fit.scorer) & series["abs_dp_mean"].notna()].sort_values("step")
         k = max(1, len(g) // 4)
         y = g["abs_dp_mean"].to_numpy(float)
-        out.append({"run_id": run_id, "rollout": rollout, "scorer": scorer, "n_steps": len(g),
-                    "slope": fit.slope, "ci_low": fit.ci_low, "ci_high": fit.ci_high,
-                    "first_mean": float(np.mean(y[:k])), "last_mean": float(np.mean(y[-k:])), "k": k})
+        out.append(fit._asdict() | {"first_mean": float(np.mean(y[:k])), "last_mean": float(np.mean(y[-k:])), "k": k})
     return pd.DataFrame(out)
 
 

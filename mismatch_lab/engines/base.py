@@ -45,8 +45,13 @@ class RolloutEngine(Protocol):
     logprobs_mode: str  # how μ is defined, e.g. vLLM 'raw_logprobs' (before any logit processing)
     device: str
 
-    def generate(self, requests: Sequence[GenRequest], *, max_tokens: int, top_k: int) -> list[Sample]:
-        """Sample one response per request at T=1, top_p=1 and return μ for each sampled token."""
+    def generate(self, requests: Sequence[GenRequest], *, max_tokens: int, top_k: int,
+                 min_tokens: int = 0) -> list[Sample]:
+        """Sample one response per request at T=1, top_p=1 and return μ for each sampled token.
+
+        `min_tokens` > 0 forbids the end of sequence before that many tokens (the engine masks EOS while
+        sampling); μ stays the raw distribution, before that mask, like the trainer's π.
+        """
         ...
 
     def load_state_dict(self, state_dict: dict) -> None:

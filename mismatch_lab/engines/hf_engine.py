@@ -46,7 +46,8 @@ class HFEngine:
             "versions": {"transformers": transformers.__version__},
         }
 
-    def generate(self, requests: Sequence[GenRequest], *, max_tokens: int, top_k: int) -> list[Sample]:
+    def generate(self, requests: Sequence[GenRequest], *, max_tokens: int, top_k: int,
+                 min_tokens: int = 0) -> list[Sample]:
         import torch
 
         if not requests:
@@ -62,7 +63,8 @@ class HFEngine:
         with torch.no_grad():
             out = self.model.generate(
                 input_ids=ids.to(self.device), attention_mask=attn.to(self.device), do_sample=True,
-                temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=max_tokens, pad_token_id=self.pad_id,
+                temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=max_tokens, min_new_tokens=min_tokens or None,
+                pad_token_id=self.pad_id,
                 eos_token_id=eos, output_logits=True, return_dict_in_generate=True,
             )
         gen = out.sequences[:, width:].cpu()

@@ -120,13 +120,14 @@ class VLLMEngine:
             "engine_args": self.engine_args,
         }
 
-    def generate(self, requests: Sequence[GenRequest], *, max_tokens: int, top_k: int) -> list[Sample]:
+    def generate(self, requests: Sequence[GenRequest], *, max_tokens: int, top_k: int,
+                 min_tokens: int = 0) -> list[Sample]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         prompts = [TokensPrompt(prompt_token_ids=list(r.prompt_ids)) for r in requests]
         params = [
-            SamplingParams(n=1, temperature=1.0, top_p=1.0, top_k=0, max_tokens=max_tokens,
+            SamplingParams(n=1, temperature=1.0, top_p=1.0, top_k=0, max_tokens=max_tokens, min_tokens=min_tokens,
                            logprobs=top_k, seed=r.seed)
             for r in requests
         ]

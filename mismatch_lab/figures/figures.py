@@ -46,11 +46,10 @@ from mismatch_lab.analysis.clipping import clipping_by_category, top_clipped_tok
 from mismatch_lab.analysis.precision import DRIFT_COLUMNS, noise_floor, precision_table
 from mismatch_lab.analysis.relations import Filters, query
 from mismatch_lab.analysis.rows import Rows
-from mismatch_lab.analysis.steps import step_series
-from mismatch_lab.analysis.violations import train_series
 from mismatch_lab.analysis.volatility import volatility_table
 from mismatch_lab.categories import CATEGORIES
 from mismatch_lab.figures.corrections import fig8_corrections
+from mismatch_lab.figures.training import fig6_training, fig9_steps
 from mismatch_lab.scoring.hf_scorer import SCORE_BATCH_TOKENS, SCORE_CHUNK_ROWS
 from mismatch_lab.store.schema import TOKEN_FIGURE_KINDS
 
@@ -530,81 +529,6 @@ def fig5_approximation(con: duckdb.DuckDBPyConnection, rows: Rows | None = None)
     return [("fig5_tv_approximation", _finish(fig, "Binary and top-K TV against exact TV", caption, m))]
 
 
-# -- 6: training curves ----------------------------------------------------------------------------
-OBJECTIVE_KEYS = ("loss", "objective", "loss_name", "algorithm")
-TRAIN_PANELS = (
-    # (title, y label, candidate metric names in order of preference)
-    ("accuracy", "accuracy / mean reward (fraction of responses correct)",
-     ("reward/accuracy/mean", "eval/accuracy", "accuracy", "train/accuracy", "reward/mean")),
-    ("mismatch", "mean |π − μ| over response tokens (probability)", ("mismatch/abs_dp/mean", "training/rollout_probs_diff_mean")),
-    ("masked share", "masked tokens (fraction of tokens with A ≠ 0)", ("mask/nonzero_adv/frac", "actor/pg_clipfrac")),
-    ("bad-update share", "bad updates (fraction of tokens, see title)",
-     ("bad_update/all/frac", "bad_update/negative_adv/frac", "mask/negative_adv/frac", "actor/invalid_tr_negative_advantage")),
-)  # fmt: skip
-
-
-def _objective(config) -> str | None:
-    try:
-        cfg = json.loads(config) if isinstance(config, str) else (config or {})
-    except ValueError:
-        return None
-    if not isinstance(cfg, dict):
-        return None
-    for k in OBJECTIVE_KEYS:
-        if cfg.get(k):
-            return str(cfg[k])
-    return None
-
-
-def fig6_training(con: duckdb.DuckDBPyConnection, rows: Rows | None = None) -> list[tuple[str, Figure]]:
-    """Claim (DPPO sanity test, Figs. 3 and 5): without a trust region anchored on μ (PG-IS, CISPO/TIS)
-    training drifts — mismatch |π − μ| grows and accuracy collapses — while DPPO stays stable; and the
-    updates that cause it are a small share (≤ 0.5 %) that sit on negative-advantage samples. One line per
-    training run (labelled by its objective), panels: accuracy, mismatch, masked share, bad-update share."""
-    runs = query(con, "SELECT run_id, config FROM runs WHERE kind = 'train' ORDER BY run_id")
-    series = train_series(con, list(runs["run_id"])) if not runs.empty else pd.DataFrame()
-    if series.empty:
-        raise Skip("no training run with train_metrics in this store")
-    label = {r: (_objective(c) or r) for r, c in zip(runs["run_id"], runs["config"])}
-    names = set(series["name"])
-    panels = []
-    for title, ylabel, cands in TRAIN_PANELS:
-        name = next((c for c in cands if c in names), None)
-        if name is None:
-            print(f"    fig6: no metric for panel '{title}' (looked for {', '.join(cands)}), panel left out")
-            continue
-        panels.append((title, ylabel, name))
-    if not panels:
-        raise Skip("the training runs log none of the metrics figure 6 plots")
-    fig, axes = _grid(len(panels), ncols=2, w=4.2, h=2.8, left=0.9)
-    objectives = sorted(set(label.values()))
-    cmap = matplotlib.colormaps["tab10"]
-    color = {o: cmap(i % 10) for i, o in enumerate(objectives)}
-    n_steps = series.groupby("run_id")["step"].nunique()
-    for ax, (title, ylabel, name) in zip(axes, panels):
-        g = series[series["name"] == name]
-        for run_id, s in g.groupby("run_id", sort=True):
-            s = s.sort_values("step")
-            ax.plot(s["step"], s["value"], "o-", ms=2.5, lw=1.1, color=color[label[run_id]], label=label[run_id])
-        ax.set_title(f"{title}: {name}", fontsize=9)
-        ax.set_xlabel("training step (optimizer steps)", fontsize=8)
-        ax.set_ylabel(ylabel, fontsize=8)
-        ax.tick_params(labelsize=7)
-        handles, labels = ax.get_legend_handles_labels()
-        uniq = dict(zip(labels, handles))
-        ax.legend(uniq.values(), uniq.keys(), fontsize=6.5)
-    caption = (
-        f"Per-step metrics logged by n = {len(n_steps)} training run(s) ({', '.join(f'{label[r]}: {int(n)} steps' for r, n in n_steps.items())}), "
-        "one line per run, colour = objective. Mismatch is |π − μ| of the sampled tokens between the trainer and "
-        "the rollout engine before the update; masked share counts tokens the objective masked or clipped over "
-        "tokens with non-zero advantage (DPPO's actor/pg_clipfrac); a bad update (bad_update/*) is a token with "
-        "A < 0 whose probability fell by at least δ = 0.5 below μ in the update, over response tokens (all/frac) "
-        "or over tokens with A < 0 (negative_adv/frac); the panel title names the metric drawn (definitions in "
-        "docs/rl.md)."
-    )
-    return [("fig6_training_curves", _finish(fig, "Training curves per objective (DPPO Figs. 3 and 5 analogue)", caption))]
-
-
 # -- 7: batch invariance ---------------------------------------------------------------------------
 DEFAULT_SCORER_SETTING = (SCORE_BATCH_TOKENS, SCORE_CHUNK_ROWS)  # the scorer's defaults: padded tokens per forward, rows per vocab chunk
 
@@ -785,62 +709,6 @@ def fig7_batch_invariance(con: duckdb.DuckDBPyConnection, rows: Rows | None = No
                                   for r in sres.itertuples()) + ".")
     title = "Batch invariance of the rollout engine and the trainer's scorer"
     return [("fig7_batch_invariance", _finish(fig, title, " ".join(parts)))]
-
-
-# -- 8: mismatch over training steps ---------------------------------------------------------------
-MAX_LEGEND_LINES = 12
-
-
-def fig9_steps(con: duckdb.DuckDBPyConnection, rows: Rows | None = None) -> list[tuple[str, Figure]]:
-    """Claim (DPPO Figs. 3 and 5; FP16 study): the training–inference mismatch a run carries is not a
-    constant of the engines — it moves with training (a policy drifting into regions where the two
-    precisions disagree more), and a run whose mismatch grows is one a trust region anchored on μ has to
-    hold. Measured from the stored tokens, not from logged metrics: mean |π − μ| and mean k3 (KL(μ‖π))
-    per training step (`steps.step_series`), one line per (run, rollout, scorer), for every run whose
-    sequences carry a step (train runs, runs recorded in or imported from an RL framework). `rows` (figures 1-5's row set) is
-    not used: train runs are not in it, and collect runs have no steps."""
-    series = step_series(con)
-    series = series[series["n_finite"] > 0]
-    if series.empty:
-        raise Skip("no run over training steps (sequences.step) with finite scored tokens in this store")
-    runs = query(con, "SELECT run_id, config FROM runs")
-    objective = {r: _objective(c) for r, c in zip(runs["run_id"], runs["config"])}
-    keys = ["run_id", "rollout", "scorer"]
-    lines = [(key, g.sort_values("step")) for key, g in series.groupby(keys, sort=True)]
-    cmap = matplotlib.colormaps["tab10"]
-    panels = (
-        ("abs_dp_mean", "mean |π − μ| per step (probability)", "mean |Δp|"),
-        ("kl_k3", "mean k3 = r − log r − 1 per step (nats)", "token KL(μ‖π), k3"),
-    )
-    fig, axes = _fig(1, 2, w=4.2, h=2.9, left=0.9, wgap=1.0)
-    for ax, (col, ylabel, title) in zip(axes[0], panels):
-        for i, ((run_id, ro, sc), g) in enumerate(lines):
-            name = objective.get(run_id)
-            label = f"{name} ({run_id})" if name else run_id
-            ax.plot(g["step"], g[col], "o-", ms=2.5, lw=1.1, color=cmap(i % 10), label=f"{label}: {_pair_label(ro, sc)}")
-        pos = series[col][series[col] > 0]
-        if len(pos) and pos.max() / pos.min() > 100 and (series[col] > 0).all():
-            ax.set_yscale("log")
-        ax.set_title(title, fontsize=9)
-        ax.set_xlabel("training step (optimizer steps)", fontsize=8)
-        ax.set_ylabel(ylabel, fontsize=8)
-        ax.tick_params(labelsize=7)
-        if len(lines) <= MAX_LEGEND_LINES:
-            ax.legend(fontsize=6)
-    per_line = "; ".join(
-        f"{run_id} {_pair_label(ro, sc)}: {g['step'].nunique()} steps, n = {int(g['n_finite'].sum()):,} tokens"
-        for (run_id, ro, sc), g in lines[:12]
-    ) + ("; …" if len(lines) > 12 else "")
-    caption = (
-        f"Mismatch per training step measured from the stored tokens of the runs over steps: {len(lines)} "
-        f"(run, rollout, scorer) lines ({per_line}), n = {int(series['n_finite'].sum()):,} finite (token, scorer) "
-        "rows in all. μ = the rollout engine's probability of the sampled token, π = the scorer's (trainer side) on "
-        "the same token; per step the mean over its finite rows of |π − μ| (left) and of k3 = r − log r − 1, an "
-        "unbiased estimator of KL(μ‖π) from tokens sampled from μ (right); non-finite rows are excluded and "
-        "counted in the analysis (`analyze`, key steps). Log axes where values span more than two decades."
-        + ("" if len(lines) <= MAX_LEGEND_LINES else " Too many lines for a legend: see the analysis table.")
-    )
-    return [("fig9_mismatch_over_steps", _finish(fig, "Mismatch over training steps", caption))]
 
 
 FIGURES: dict[str, Callable[[duckdb.DuckDBPyConnection], list[tuple[str, Figure]]]] = {

@@ -1,9 +1,15 @@
 """Group-baseline advantages: every prompt is sampled `group_size` times and each response is scored
-against the other responses to the same prompt.
+against the responses to the same prompt.
 
     GRPO (DeepSeekMath, arXiv 2402.03300)  A_i = (R_i − mean_g R) / (std_g R + eps)
     Dr. GRPO (arXiv 2503.20783)            A_i =  R_i − mean_g R      (normalize_std=False; the
                                            std division up-weights near-uniform groups, a bias)
+    group-size correction (leave_one_out)  R_i − mean_g R is multiplied by G / (G − 1), which makes it
+                                           R_i − mean_{j≠i} R_j: the baseline of the other G − 1 responses
+                                           (RLOO). The group mean contains R_i itself, so the plain residual
+                                           shrinks every advantage by (G − 1)/G, a bias that depends on the
+                                           group size (−50 % at G = 2, −25 % at G = 4). With normalize_std
+                                           the same factor applies before the division.
 
 std is the unbiased sample std of the group (torch.std's default, as GRPO implementations use). A group
 whose rewards are all equal (all right or all wrong) gets A = 0 for every response: no learning signal,
@@ -31,6 +37,7 @@ def group_advantages(
     group_size: int,
     *,
     normalize_std: bool = True,
+    leave_one_out: bool = False,
     eps: float = 1e-6,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Advantages of N = G · group_size responses laid out group by group.
@@ -39,6 +46,7 @@ def group_advantages(
                   answer the same prompt
     group_size    responses per prompt, >= 2 (a baseline needs company)
     normalize_std divide by the group's std + eps (GRPO); False is Dr. GRPO
+    leave_one_out baseline of the other responses only: the residual times G / (G − 1)
     eps           added to the std; a uniform group then gets exactly 0
     Returns (adv [N] float32, metrics dict of floats named as in METRICS).
     """
@@ -63,6 +71,8 @@ def group_advantages(
     mean = groups.mean(dim=1, keepdim=True)
     std = groups.std(dim=1, keepdim=True)  # unbiased
     adv = groups - mean
+    if leave_one_out:
+        adv = adv * (group_size / (group_size - 1))
     if normalize_std:
         adv = adv / (std + eps)
     adv = adv.reshape(-1)

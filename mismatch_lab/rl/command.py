@@ -39,6 +39,8 @@ _HELP = {
     "max_rounds": "dynamic sampling: at most this many generation rounds per step (default 4)",
     "overlong_cache": "DAPO soft overlong punishment: L_cache in tokens (default 0 = off)",
     "overlong_max": "DAPO soft overlong punishment: L_max in tokens (default 0 = max tokens)",
+    "leave_one_out": "group-size bias correction: advantages against the mean of the other responses of the "
+                     "group, i.e. the residual times G/(G-1) (default false)",
 }
 
 

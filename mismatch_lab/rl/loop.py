@@ -50,7 +50,7 @@ LOSS_FIELDS = ("eps_low", "eps_high", "delta", "is_cap", "tis_cap", "cispo_eps_l
 # fields added after runs were stored: left out of the run id at their default, so stored runs keep their ids
 _IN_RUN_ID_UNLESS_DEFAULT = ("gspo_eps_low", "gspo_eps_high", "gmpo_eps", "correction", "correction_args", "preset",
                              "dynamic_sampling", "max_rounds", "overlong_cache", "overlong_max", "rollout_weights",
-                             "split_scorer")
+                             "split_scorer", "leave_one_out")
 # fields that do not change what a run computes: excluded from the run id, so `--steps 20` extends a run of 10
 _NOT_IN_RUN_ID = ("steps", "db", "out", "checkpoint_every", "study", "kv_cache_mb")
 
@@ -73,6 +73,7 @@ class TrainConfig:
     max_grad_norm: float = 1.0  # grad/norm/value is logged before clipping
     minibatches: int = 1  # optimizer steps per rollout batch; > 1 makes later mini-batches off-policy
     normalize_std: bool = True  # GRPO advantages; False is Dr. GRPO
+    leave_one_out: bool = False  # group-size bias correction: baseline of the other responses (× G/(G−1))
     bad_update_delta: float = 0.5  # δ of bad_update_metrics (the DPPO paper plots 0.5)
     steps: int = 8
     seed: int = 0

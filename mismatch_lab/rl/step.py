@@ -60,11 +60,12 @@ class Batch:
 
 
 def make_batch(samples, seq_rows, prompt_ids, rewards, *, group_size: int, normalize_std: bool,
-               rollout_metrics: dict | None = None) -> Batch:
+               leave_one_out: bool = False, rollout_metrics: dict | None = None) -> Batch:
     """Advantages, μ and the mask of a rollout (pure: no engine, no model)."""
     from mismatch_lab.rl.advantages import group_advantages
 
-    adv, adv_metrics = group_advantages(torch.tensor(rewards), group_size, normalize_std=normalize_std)
+    adv, adv_metrics = group_advantages(torch.tensor(rewards), group_size, normalize_std=normalize_std,
+                                        leave_one_out=leave_one_out)
     rows = [dict(r, reward=rw, advantage=a) for r, rw, a in zip(seq_rows, rewards, adv.tolist())]
     mu = [[x if math.isfinite(x) else -math.inf for x in s.logps] for s in samples]
     return Batch(samples=list(samples), seq_rows=rows, prompt_ids=list(prompt_ids), rewards=list(rewards), adv=adv,
@@ -155,7 +156,7 @@ def rollout_batch(cfg, engine, tokenizer, task, step: int, *, top_k: int) -> Bat
     if cfg.overlong_cache:
         metrics["overlong/penalty/mean"] = sum(r - t for r, t in zip(rewards, task_rewards)) / len(rewards)
     batch = make_batch(samples, rows, [g.prompt_ids for g in groups for _ in range(G)], rewards, group_size=G,
-                       normalize_std=cfg.normalize_std, rollout_metrics=metrics)
+                       normalize_std=cfg.normalize_std, leave_one_out=cfg.leave_one_out, rollout_metrics=metrics)
     batch.task_rewards = task_rewards
     return batch
 

@@ -14,6 +14,7 @@ from mismatch_lab.analysis.precision import (
     precision_table,
     sequence_drift,
 )
+from mismatch_lab.analysis.stats import t_quantile
 from mismatch_lab.store.synthetic import write_store
 
 REQUIRED = [
@@ -115,10 +116,14 @@ def test_the_drift_slope_is_the_least_squares_fit_per_1k_tokens(con, full_store)
     table = precision_table(con)
     for (rollout, scorer), g in drift.groupby(["rollout", "scorer"]):
         ok = g[g["logratio_sum"].notna()]
-        slope, intercept = np.polyfit(ok["response_len"].astype(float), ok["logratio_sum"].astype(float), 1)
+        (slope, intercept), cov = np.polyfit(ok["response_len"].astype(float), ok["logratio_sum"].astype(float), 1,
+                                             cov=True)  # cov scaled by the residual variance over n - 2
         got = row_of(table, rollout=rollout, scorer=scorer)
         assert got["seq_n"] == len(ok) and got["seq_n_nonfinite"] == len(g) - len(ok)
         assert got["seq_logratio_slope_per_1k"] == pytest.approx(1000 * slope, rel=1e-8)
+        half = 1000 * t_quantile(0.975, len(ok) - 2) * np.sqrt(cov[0, 0])
+        assert got["seq_logratio_slope_ci_low_per_1k"] == pytest.approx(1000 * slope - half, rel=1e-6)
+        assert got["seq_logratio_slope_ci_high_per_1k"] == pytest.approx(1000 * slope + half, rel=1e-6)
         assert got["seq_logratio_intercept"] == pytest.approx(intercept, rel=1e-8, abs=1e-12)
         assert got["seq_kl_k1_mean"] == pytest.approx(ok["seq_kl_k1"].mean())
         assert got["seq_len_mean"] == pytest.approx(ok["response_len"].mean())
@@ -140,6 +145,9 @@ def test_a_planted_per_token_drift_gives_the_planted_slope(tmp_path):
 
     row = precision_table(open_store(path)).iloc[0]
     assert row["seq_logratio_slope_per_1k"] == pytest.approx(-1.0, rel=1e-9)
+    # a perfect fit: the interval collapses onto the slope
+    assert row["seq_logratio_slope_ci_low_per_1k"] == pytest.approx(-1.0, rel=1e-6)
+    assert row["seq_logratio_slope_ci_high_per_1k"] == pytest.approx(-1.0, rel=1e-6)
     assert row["seq_logratio_intercept"] == pytest.approx(0.0, abs=1e-12)
     assert row["seq_kl_k1_mean"] == pytest.approx(0.001 * np.mean(lengths), rel=1e-9)
 

@@ -121,3 +121,31 @@ def test_a_store_without_steps_gives_an_empty_table_with_the_columns(con, plain_
         assert not has_steps(c)
         table = step_series(c)
         assert table.empty and list(table.columns) == STEP_COLUMNS
+
+
+def test_growth_is_the_least_squares_slope_per_step_with_its_interval(scon):
+    from mismatch_lab.analysis.steps import GROWTH_COLUMNS, growth
+    from mismatch_lab.analysis.stats import t_quantile
+
+    series = step_series(scon)
+    fits = growth(series, "abs_dp_mean")
+    assert list(fits.columns) == GROWTH_COLUMNS and len(fits)
+    for fit in fits.itertuples(index=False):
+        g = series[(series["run_id"] == fit.run_id) & (series["rollout"] == fit.rollout) & (series["scorer"] == fit.scorer)]
+        (slope, _), cov = np.polyfit(g["step"].astype(float), g["abs_dp_mean"].astype(float), 1, cov=True)
+        half = t_quantile(0.975, len(g) - 2) * np.sqrt(cov[0, 0])
+        assert fit.n_steps == len(g)
+        assert fit.slope == pytest.approx(slope, rel=1e-9)
+        assert (fit.ci_low, fit.ci_high) == pytest.approx((slope - half, slope + half), rel=1e-6)
+
+
+def test_growth_needs_three_steps_and_recovers_a_planted_line():
+    from mismatch_lab.analysis.steps import growth
+
+    rows = [("a", "vllm:bf16", "hf:fp32", s, 0.01 + 0.002 * s) for s in range(5)]
+    rows += [("b", "vllm:bf16", "hf:fp32", s, 0.5) for s in range(2)]  # two steps: no line to fit
+    series = pd.DataFrame(rows, columns=["run_id", "rollout", "scorer", "step", "abs_dp_mean"])
+    fits = growth(series)
+    assert list(fits["run_id"]) == ["a"]
+    assert fits.loc[0, "slope"] == pytest.approx(0.002, rel=1e-9)
+    assert fits.loc[0, "ci_low"] == pytest.approx(0.002, rel=1e-6) and fits.loc[0, "ci_high"] == pytest.approx(0.002, rel=1e-6)

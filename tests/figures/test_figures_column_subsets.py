@@ -165,7 +165,9 @@ def test_the_steps_figure_plots_the_recorded_runs_per_step_means(drawn, naive):
     per = rec.groupby(["scorer", "step"])[["abs_dp", "k3"]].mean()
     assert len(ax_dp.lines) == per.index.get_level_values(0).nunique() == 2
     for line_dp, line_k3, (scorer, g) in zip(ax_dp.lines, ax_k3.lines, per.groupby(level=0)):
-        assert line_dp.get_label().endswith(f"μ vllm vs π {scorer}")
+        # the legend names the pair and its growth: OLS slope of the per-step means, per 100 steps
+        slope = np.polyfit([0.0, 1.0, 2.0], g["abs_dp"].to_numpy(float), 1)[0]
+        assert f"μ vllm vs π {scorer}, {100 * slope:+.2g} per 100 steps [" in line_dp.get_label()
         assert list(line_dp.get_xdata()) == [0, 1, 2]
         np.testing.assert_allclose(line_dp.get_ydata(), g["abs_dp"], rtol=1e-9)
         np.testing.assert_allclose(line_k3.get_ydata(), g["k3"], rtol=1e-9)

@@ -11,14 +11,15 @@ import torch
 from mismatch_lab.rl.advantages import METRICS, group_advantages
 
 
-def naive(rewards, group_size, normalize_std, eps):
+def naive(rewards, group_size, normalize_std, eps, leave_one_out=False):
     out = []
     for start in range(0, len(rewards), group_size):
         group = rewards[start:start + group_size]
         mean = sum(group) / len(group)
         std = statistics.stdev(group)  # unbiased, like torch.std
-        for r in group:
-            a = r - mean
+        for i, r in enumerate(group):
+            others = group[:i] + group[i + 1:]
+            a = r - sum(others) / len(others) if leave_one_out else r - mean
             out.append(a / (std + eps) if normalize_std else a)
     return out
 
@@ -31,6 +32,18 @@ def test_group_advantages_match_the_per_group_reference(normalize_std):
     adv, _ = group_advantages(torch.tensor(REWARDS), 4, normalize_std=normalize_std, eps=1e-6)
     ref = naive(REWARDS, 4, normalize_std, 1e-6)
     torch.testing.assert_close(adv, torch.tensor(ref, dtype=torch.float32))
+
+
+@pytest.mark.parametrize("group_size", [2, 4, 8])
+@pytest.mark.parametrize("normalize_std", [True, False], ids=["grpo-std", "dr-grpo"])
+def test_leave_one_out_is_the_baseline_of_the_other_responses(normalize_std, group_size):
+    adv, _ = group_advantages(torch.tensor(REWARDS), group_size, normalize_std=normalize_std, leave_one_out=True)
+    ref = naive(REWARDS, group_size, normalize_std, 1e-6, leave_one_out=True)
+    torch.testing.assert_close(adv, torch.tensor(ref, dtype=torch.float32))
+    plain, _ = group_advantages(torch.tensor(REWARDS), group_size, normalize_std=normalize_std)
+    nonzero = plain != 0
+    assert nonzero.any()  # the (G - 1)/G shrink of the plain residual, undone
+    torch.testing.assert_close(adv[nonzero] / plain[nonzero], torch.full((int(nonzero.sum()),), group_size / (group_size - 1)))
 
 
 def test_dr_grpo_keeps_the_reward_scale_and_grpo_rescales_each_group():

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from mismatch_lab.doctor import bands as B
-from mismatch_lab.doctor.stats import slope_ci, t_quantile
+from mismatch_lab.analysis.stats import slope_ci, t_quantile
 from mismatch_lab.doctor.verdicts import gate_status, judge, worst
 
 
