@@ -42,6 +42,7 @@ def _args(model, prompts, db, *extra):
         ("missing_model", "no such directory"),
         ("unknown_dtype", "unknown rollout dtype"),
         ("unknown_scorer", "unknown scorer"),
+        ("min_over_max", "--min-tokens 7 must be between 0 and --max-tokens 6"),
         ("malformed_study", "malformed TOML"),
         ("unknown_study_key", "unknown keys"),
         ("empty_prompts", "holds no prompts"),
@@ -61,6 +62,8 @@ def test_each_bad_input_gets_a_one_line_error_exit_2_and_writes_nothing(case, fi
         extra = ["--rollout-dtypes", "fp8"]
     elif case == "unknown_scorer":
         extra = ["--scorer-dtypes", "tpu:fp32"]
+    elif case == "min_over_max":
+        extra = ["--min-tokens", "7"]
     elif case == "malformed_study":
         study = tmp_path / "s" / "study.toml"
         study.parent.mkdir()
@@ -190,6 +193,23 @@ def test_a_study_file_names_the_study_and_flags_override_it(tmp_path):
     assert cfg.study == "my-sweep"
     assert Path(cfg.db) == study / "my-sweep.duckdb" and Path(cfg.prompts) == (study / "p.jsonl").resolve()
     assert (cfg.samples, cfg.score_batch_tokens, cfg.rollout_dtypes) == (5, 512, ["bf16"])
+
+
+def test_min_tokens_enters_the_run_id_only_when_set(tmp_path, tiny_model):
+    import argparse
+
+    from mismatch_lab.collect import add_arguments, load_config
+    from mismatch_lab.collect.job import prepare
+
+    prompts = _prompts(tmp_path / "p.jsonl", 2)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+
+    def base_cfg(*extra):
+        return prepare(load_config(parser.parse_args(["--model", tiny_model, "--prompts", str(prompts), *extra]))).base_cfg
+
+    assert "min_tokens" not in base_cfg()  # run ids of runs stored before the option existed stay the same
+    assert base_cfg("--min-tokens", "3")["min_tokens"] == 3
 
 
 # ------------------------------------------------------------------------------------ the embedded model
