@@ -1,22 +1,17 @@
-"""Collector benchmark: toolkit overhead, DuckDB ingest rate, scorer peak memory.
+"""Collector benchmark: DuckDB ingest rate, scorer peak memory (the collector's overhead over the bare
+work: benchmarks/bench_collect_overhead.py).
 
-    .venv/bin/python benchmarks/bench_collect.py            # embedded model, ~5 min on 2 cores
-    .venv/bin/python benchmarks/bench_collect.py --prompts 8 --max-tokens 16   # quicker
+    .venv/bin/python benchmarks/bench_collect.py            # embedded model, ~2 min on 2 cores
 
-1. Overhead: wall time of `collect` (one rollout dtype, HF scorers fp32+bf16, top-K 20, exact TV/KL,
-   DuckDB writes) against the bare work it wraps, measured in the same process right after it:
-   vLLM generation of the same requests + a plain HF forward / log_softmax / gather of the same tokens
-   at each scorer dtype. Both sides include loading the engines and models. Overhead = collect / bare − 1.
-2. DuckDB ingest: rows/s of `StoreWriter.write_chunk` (Arrow bulk insert, one transaction per chunk) for
+1. DuckDB ingest: rows/s of `StoreWriter.write_chunk` (Arrow bulk insert, one transaction per chunk) for
    token + score rows with top-K lists of 20.
-3. Scorer peak memory: peak RSS of the chunked scorer vs a naive full-vocabulary log_softmax on the
+2. Scorer peak memory: peak RSS of the chunked scorer vs a naive full-vocabulary log_softmax on the
    same 32 x 192-token batch at fp32, each in a fresh subprocess (ru_maxrss), minus the RSS after loading.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
 import subprocess
@@ -28,58 +23,6 @@ from pathlib import Path
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 REPO = Path(__file__).resolve().parents[1]
-
-
-def bench_overhead(model: str, n_prompts: int, samples: int, max_tokens: int, scorers: list[str]) -> dict:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from mismatch_lab.collect import (
-        CollectConfig,
-        collect,
-        encode_prompts,
-        read_prompts,
-        sample_seed,
-    )
-    from mismatch_lab.engines.base import GenRequest, make_engine
-
-    rows = read_prompts(str(REPO / "data" / "default_prompts.jsonl"))[:n_prompts]
-    with tempfile.TemporaryDirectory() as d:
-        pfile = Path(d) / "p.jsonl"
-        pfile.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        cfg = CollectConfig(model=model, prompts=str(pfile), samples=samples, max_tokens=max_tokens,
-                            rollout_dtypes=["bf16"], scorer_dtypes=scorers, db=str(Path(d) / "b.duckdb"),
-                            chunk_prompts=n_prompts)
-        t0 = time.perf_counter()
-        collect(cfg, progress=False)
-        t_collect = time.perf_counter() - t0
-
-        # the bare work: same engine, same requests, then a plain HF forward per scorer dtype
-        from transformers import AutoTokenizer
-
-        t0 = time.perf_counter()
-        ids, _ = encode_prompts(AutoTokenizer.from_pretrained(model), rows)
-        eng = make_engine("vllm", model, "bf16", seed=0, max_model_len=2048)
-        reqs = [GenRequest(ids[i], sample_seed(0, i, s)) for i in range(len(rows)) for s in range(samples)]
-        outs = eng.generate(reqs, max_tokens=max_tokens, top_k=20)
-        t_gen = time.perf_counter() - t0
-        n_tokens = sum(len(o.token_ids) for o in outs)
-        eng.close()
-        t0 = time.perf_counter()
-        for dt in scorers:
-            m = AutoModelForCausalLM.from_pretrained(model, dtype={"fp32": torch.float32, "bf16": torch.bfloat16,
-                                                                    "fp16": torch.float16}[dt]).eval()
-            with torch.no_grad():
-                for r, o in zip(reqs, outs):
-                    full = torch.tensor([r.prompt_ids + o.token_ids])
-                    lp = torch.log_softmax(m(full).logits.float(), -1)[0]
-                    n = len(r.prompt_ids)
-                    lp[n - 1:-1].gather(1, torch.tensor(o.token_ids).view(-1, 1))
-            del m
-        t_score = time.perf_counter() - t0
-    bare = t_gen + t_score
-    return {"tokens": n_tokens, "collect_s": t_collect, "bare_generate_s": t_gen, "bare_score_s": t_score,
-            "bare_total_s": bare, "overhead": t_collect / bare - 1}
 
 
 def bench_ingest(n_seq: int = 400, length: int = 256, k: int = 20) -> dict:
@@ -148,19 +91,11 @@ def bench_memory(model: str) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="default")
-    ap.add_argument("--prompts", type=int, default=16)
-    ap.add_argument("--samples", type=int, default=2)
-    ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--skip", nargs="*", default=[], choices=["overhead", "ingest", "memory"])
+    ap.add_argument("--skip", nargs="*", default=[], choices=["ingest", "memory"])
     args = ap.parse_args()
     from mismatch_lab.models import resolve_model
 
     model = resolve_model(args.model)
-    if "overhead" not in args.skip:
-        o = bench_overhead(model, args.prompts, args.samples, args.max_tokens, ["fp32", "bf16"])
-        print(f"[overhead] {o['tokens']} tokens (vLLM bf16 rollout, HF fp32+bf16 scorers): collect {o['collect_s']:.1f} s "
-              f"vs bare generate {o['bare_generate_s']:.1f} s + bare score {o['bare_score_s']:.1f} s = {o['bare_total_s']:.1f} s "
-              f"-> overhead {100 * o['overhead']:+.1f} %")
     if "ingest" not in args.skip:
         g = bench_ingest()
         print(f"[ingest] {g['rows']:,} token+score rows (top-K 20 lists) in {g['seconds']:.1f} s -> {g['rows_per_s']:,.0f} rows/s")

@@ -5,8 +5,9 @@
 
 1. Overhead: wall time of `collect` (one vLLM bf16 rollout, HF scorers fp32+bf16 with top-K 20 and exact
    TV/KL, DuckDB writes, model loading) against the bare work it wraps, measured right after it in the
-   same process: vLLM generation of the same requests + a plain HF forward / log_softmax / gather of the
-   same tokens at each scorer dtype (model loading included on both sides). Overhead = collect / bare - 1.
+   same process: vLLM generation of the same requests + a plain batched HF forward / full log_softmax /
+   gather of the same tokens at each scorer dtype, in forwards of the scorer's padded-token budget (model
+   loading included on both sides). Overhead = collect / bare - 1.
 2. Scorer: tokens/s of the former path (tests/collect/lockstep_reference.py: every dtype in lockstep,
    Python lists per sequence, lists -> Arrow) and of the current one (each dtype's decoder in turn, numpy
    buffers -> Arrow with validity masks and list offsets) on the same items; best of `--repeat` runs each.
@@ -73,16 +74,34 @@ def _bare_generate(model, rows, samples, max_tokens):
 
 
 def _bare_score(model, reqs, outs) -> float:
+    """A plain batched HF scorer: sequences right-padded into forwards of at most SCORE_BATCH_TOKENS padded
+    tokens (collect's scorer budget), full log_softmax in fp32, gather of the sampled tokens; per dtype."""
     import torch
     from transformers import AutoModelForCausalLM
 
+    from mismatch_lab.scoring import SCORE_BATCH_TOKENS
+
+    seqs = [(r.prompt_ids + o.token_ids, len(r.prompt_ids)) for r, o in zip(reqs, outs)]
+    batches, cur = [], []
+    for seq in sorted(seqs, key=lambda x: len(x[0])):
+        if cur and (len(cur) + 1) * len(seq[0]) > SCORE_BATCH_TOKENS:
+            batches.append(cur)
+            cur = []
+        cur.append(seq)
+    batches += [cur] if cur else []
     t0 = time.perf_counter()
     for dt in SCORERS:
         m = AutoModelForCausalLM.from_pretrained(model, dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[dt]).eval()
         with torch.no_grad():
-            for r, o in zip(reqs, outs):
-                lp = torch.log_softmax(m(torch.tensor([r.prompt_ids + o.token_ids])).logits.float(), -1)[0]
-                lp[len(r.prompt_ids) - 1:-1].gather(1, torch.tensor(o.token_ids).view(-1, 1))
+            for batch in batches:
+                width = max(len(ids) for ids, _ in batch)
+                ids = torch.zeros(len(batch), width, dtype=torch.long)
+                attn = torch.zeros_like(ids)
+                for i, (seq, _) in enumerate(batch):
+                    ids[i, :len(seq)], attn[i, :len(seq)] = torch.tensor(seq), 1
+                lp = torch.log_softmax(m(input_ids=ids, attention_mask=attn).logits.float(), -1)
+                for i, (seq, n_prompt) in enumerate(batch):
+                    lp[i, n_prompt - 1:len(seq) - 1].gather(1, torch.tensor(seq[n_prompt:]).view(-1, 1))
         del m
     return time.perf_counter() - t0
 

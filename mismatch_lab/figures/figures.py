@@ -312,7 +312,9 @@ def fig2_precision_scatter(con: duckdb.DuckDBPyConnection, rows: Rows | None = N
         slope, icpt = p["seq_logratio_slope_per_1k"], p["seq_logratio_intercept"]
         if pd.notna(slope):
             xs = np.array([g["response_len"].min(), g["response_len"].max()], float)
-            ax2.plot(xs, icpt + slope / 1000.0 * xs, color="k", lw=1.2, label=f"fit: {slope:+.3g} nats per 1K tokens")
+            lo, hi = p["seq_logratio_slope_ci_low_per_1k"], p["seq_logratio_slope_ci_high_per_1k"]
+            ci = f" [{lo:+.3g}, {hi:+.3g}]" if pd.notna(lo) else ""
+            ax2.plot(xs, icpt + slope / 1000.0 * xs, color="k", lw=1.2, label=f"fit: {slope:+.3g}{ci} nats per 1K tokens")
         ax2.axhline(0, color="gray", lw=0.5)
         ax2.set_title(f"n = {len(g):,} sequences; mean seq. KL k1 = {p['seq_kl_k1_mean']:.2g} nats", fontsize=8)
         ax2.set_xlabel("response length (tokens)", fontsize=8)
@@ -326,11 +328,16 @@ def fig2_precision_scatter(con: duckdb.DuckDBPyConnection, rows: Rows | None = N
         "of its own dtype); shading: "
         "tokens per cell (log scale); dashed: π = μ. Bottom: per sequence without a non-finite token "
         f"(n = {n_seq:,} sequences), the sum over the response of log π − log μ (log of the sequence-level ratio) "
-        "against response length, with its least-squares fit (FP16 paper: BF16 ≈ −1.0, FP16 ≈ −0.07 nats per "
-        "1K tokens); 'seq. KL k1' is the mean over sequences of Σ_t (log μ − log π). Responses are at most the "
-        "study's max_tokens long, so the slope per 1K tokens is extrapolated from short sequences."
+        "against response length, with its least-squares fit and the slope's 95 % t-interval in brackets (FP16 "
+        "paper: BF16 ≈ −1.0, FP16 ≈ −0.07 nats per 1K tokens); 'seq. KL k1' is the mean over sequences of "
+        f"Σ_t (log μ − log π). {_length_span(drift['response_len'])}: where that is far below 1K, the slope per "
+        "1K tokens is an extrapolation."
     )
     return [("fig2_pi_vs_mu_seq_drift", _finish(fig, "π vs μ and sequence drift per precision (FP16 study)", caption, m))]
+
+
+def _length_span(lengths: pd.Series) -> str:
+    return f"Responses are {int(lengths.min())}–{int(lengths.max())} tokens long" if len(lengths) else "No complete sequence"
 
 
 # -- 3: precision summary --------------------------------------------------------------------------
