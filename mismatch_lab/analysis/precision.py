@@ -30,7 +30,9 @@ TOKEN_COLUMNS = [
 SEQUENCE_SUMMARY_COLUMNS = [
     "seq_n", "seq_n_nonfinite", "seq_len_mean", "seq_logratio_sum_mean",
     "seq_logratio_slope_per_1k", "seq_logratio_slope_ci_low_per_1k", "seq_logratio_slope_ci_high_per_1k",
-    "seq_logratio_intercept", "seq_kl_k1_mean", "seq_kl_k3_mean",
+    "seq_logratio_intercept",
+    "seq_logratio_rate_per_1k", "seq_logratio_rate_ci_low_per_1k", "seq_logratio_rate_ci_high_per_1k",
+    "seq_kl_k1_mean", "seq_kl_k3_mean",
 ]  # fmt: skip
 PRECISION_COLUMNS = ["rollout", "scorer", *TOKEN_COLUMNS, *SEQUENCE_SUMMARY_COLUMNS]
 NOISE_FLOOR_COLUMNS = ["rollout", "scorer", "reference", *TOKEN_COLUMNS, *SEQUENCE_SUMMARY_COLUMNS]
@@ -72,8 +74,12 @@ def drift_summary(seqs: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
     """SEQUENCE_SUMMARY_COLUMNS per `keys` from per-sequence rows (rows.Rows.sequences). The slope is the
     least-squares fit of logratio_sum on response_len over sequences without a non-finite row, times
     1000 (per 1K tokens), with its 95 % t-interval (n − 2 degrees of freedom, analysis.stats.slope_ci);
-    the slope is NaN with fewer than two distinct lengths, the interval with fewer than three sequences."""
-    from mismatch_lab.analysis.stats import slope_ci
+    the slope is NaN with fewer than two distinct lengths, the interval with fewer than three sequences.
+    The rate is the fit through the origin, logratio_sum = rate · response_len (a drift that starts at 0
+    with the first token), times 1000, with its 95 % t-interval (n − 1 degrees of freedom,
+    stats.origin_slope_ci); it needs two sequences. Where lengths hardly vary (a length cap most responses
+    reach) the slope's interval is wide and the rate is the measurable quantity."""
+    from mismatch_lab.analysis.stats import origin_slope_ci, slope_ci
 
     out = []
     for key, g in seqs.groupby(keys, sort=True, dropna=False):
@@ -87,6 +93,10 @@ def drift_summary(seqs: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
         if len(x) >= 3 and np.ptp(x) > 0:
             fit = slope_ci(x, y)
             lo, hi = fit.ci_low, fit.ci_high
+        rate = (np.nan,) * 3
+        if len(x) >= 2:
+            f0 = origin_slope_ci(x, y)
+            rate = (f0.slope, f0.ci_low, f0.ci_high)
         out.append(
             dict(zip(keys, key if isinstance(key, tuple) else (key,)))
             | {
@@ -98,6 +108,8 @@ def drift_summary(seqs: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
                 "seq_logratio_slope_ci_low_per_1k": 1000.0 * lo,
                 "seq_logratio_slope_ci_high_per_1k": 1000.0 * hi,
                 "seq_logratio_intercept": intercept,
+                **dict(zip(("seq_logratio_rate_per_1k", "seq_logratio_rate_ci_low_per_1k",
+                            "seq_logratio_rate_ci_high_per_1k"), (1000.0 * v for v in rate))),
                 "seq_kl_k1_mean": ok["seq_kl_k1"].mean(),
                 "seq_kl_k3_mean": ok["seq_kl_k3"].mean(),
             }

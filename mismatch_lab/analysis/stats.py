@@ -3,6 +3,8 @@
     t_quantile(p, df)           the p-quantile of Student's t with integer df >= 1 (exact CDF, bisection)
     slope_ci(x, y, level=0.95)  ordinary least squares y = a + b x: b, its standard error and the
                                 two-sided `level` t-interval b ± t_{(1+level)/2, n-2} · se(b)
+    origin_slope_ci(x, y, ...)  the same for the line through the origin y = b x (no intercept):
+                                b = Σxy / Σx², se(b)² = Σ(y − bx)² / (n − 1) / Σx², n − 1 degrees of freedom
 """
 
 from __future__ import annotations
@@ -69,4 +71,19 @@ def slope_ci(x, y, level: float = 0.95) -> SlopeFit:
     resid = y - (y.mean() + slope * xc)
     stderr = math.sqrt(float((resid * resid).sum()) / (n - 2) / sxx)
     half = t_quantile(0.5 + level / 2.0, n - 2) * stderr
+    return SlopeFit(slope, stderr, slope - half, slope + half, n)
+
+
+def origin_slope_ci(x, y, level: float = 0.95) -> SlopeFit:
+    """OLS slope of y = b x (through the origin) with its two-sided `level` t-interval (n - 1 degrees of
+    freedom). Needs at least 2 points and some x != 0."""
+    x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+    n = len(x)
+    sxx = float((x * x).sum())
+    if n < 2 or sxx == 0:
+        raise ValueError(f"a slope through the origin with an interval needs 2 points and a non-zero x, got n={n}")
+    slope = float((x * y).sum() / sxx)
+    resid = y - slope * x
+    stderr = math.sqrt(float((resid * resid).sum()) / (n - 1) / sxx)
+    half = t_quantile(0.5 + level / 2.0, n - 1) * stderr
     return SlopeFit(slope, stderr, slope - half, slope + half, n)

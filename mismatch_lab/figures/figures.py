@@ -315,6 +315,9 @@ def fig2_precision_scatter(con: duckdb.DuckDBPyConnection, rows: Rows | None = N
             lo, hi = p["seq_logratio_slope_ci_low_per_1k"], p["seq_logratio_slope_ci_high_per_1k"]
             ci = f" [{lo:+.3g}, {hi:+.3g}]" if pd.notna(lo) else ""
             ax2.plot(xs, icpt + slope / 1000.0 * xs, color="k", lw=1.2, label=f"fit: {slope:+.3g}{ci} nats per 1K tokens")
+            rate, rlo, rhi = (p[f"seq_logratio_rate{k}_per_1k"] for k in ("", "_ci_low", "_ci_high"))
+            ax2.plot(xs, rate / 1000.0 * xs, color="k", lw=0.9, ls="--",
+                     label=f"through 0: {rate:+.3g} [{rlo:+.3g}, {rhi:+.3g}] per 1K")
         ax2.axhline(0, color="gray", lw=0.5)
         ax2.set_title(f"n = {len(g):,} sequences; mean seq. KL k1 = {p['seq_kl_k1_mean']:.2g} nats", fontsize=8)
         ax2.set_xlabel("response length (tokens)", fontsize=8)
@@ -328,8 +331,9 @@ def fig2_precision_scatter(con: duckdb.DuckDBPyConnection, rows: Rows | None = N
         "of its own dtype); shading: "
         "tokens per cell (log scale); dashed: π = μ. Bottom: per sequence without a non-finite token "
         f"(n = {n_seq:,} sequences), the sum over the response of log π − log μ (log of the sequence-level ratio) "
-        "against response length, with its least-squares fit and the slope's 95 % t-interval in brackets (FP16 "
-        "paper: BF16 ≈ −1.0, FP16 ≈ −0.07 nats per 1K tokens); 'seq. KL k1' is the mean over sequences of "
+        "against response length, with its least-squares fit (solid) and the fit through the origin (dashed, "
+        "the drift rate), each with its 95 % t-interval in brackets (FP16 paper: BF16 ≈ −1.0, FP16 ≈ −0.07 nats "
+        "per 1K tokens); 'seq. KL k1' is the mean over sequences of "
         f"Σ_t (log μ − log π). {_length_span(drift['response_len'])}: where that is far below 1K, the slope per "
         "1K tokens is an extrapolation."
     )

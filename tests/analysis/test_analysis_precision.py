@@ -124,6 +124,12 @@ def test_the_drift_slope_is_the_least_squares_fit_per_1k_tokens(con, full_store)
         half = 1000 * t_quantile(0.975, len(ok) - 2) * np.sqrt(cov[0, 0])
         assert got["seq_logratio_slope_ci_low_per_1k"] == pytest.approx(1000 * slope - half, rel=1e-6)
         assert got["seq_logratio_slope_ci_high_per_1k"] == pytest.approx(1000 * slope + half, rel=1e-6)
+        x, y = ok["response_len"].to_numpy(float), ok["logratio_sum"].to_numpy(float)
+        rate = (x * y).sum() / (x * x).sum()  # the line through the origin
+        half0 = 1000 * t_quantile(0.975, len(ok) - 1) * np.sqrt(((y - rate * x) ** 2).sum() / (len(ok) - 1) / (x * x).sum())
+        assert got["seq_logratio_rate_per_1k"] == pytest.approx(1000 * rate, rel=1e-8)
+        assert (got["seq_logratio_rate_ci_low_per_1k"], got["seq_logratio_rate_ci_high_per_1k"]) == pytest.approx(
+            (1000 * rate - half0, 1000 * rate + half0), rel=1e-6)
         assert got["seq_logratio_intercept"] == pytest.approx(intercept, rel=1e-8, abs=1e-12)
         assert got["seq_kl_k1_mean"] == pytest.approx(ok["seq_kl_k1"].mean())
         assert got["seq_len_mean"] == pytest.approx(ok["response_len"].mean())
@@ -148,6 +154,7 @@ def test_a_planted_per_token_drift_gives_the_planted_slope(tmp_path):
     # a perfect fit: the interval collapses onto the slope
     assert row["seq_logratio_slope_ci_low_per_1k"] == pytest.approx(-1.0, rel=1e-6)
     assert row["seq_logratio_slope_ci_high_per_1k"] == pytest.approx(-1.0, rel=1e-6)
+    assert row["seq_logratio_rate_per_1k"] == pytest.approx(-1.0, rel=1e-9)  # the drift starts at 0 too
     assert row["seq_logratio_intercept"] == pytest.approx(0.0, abs=1e-12)
     assert row["seq_kl_k1_mean"] == pytest.approx(0.001 * np.mean(lengths), rel=1e-9)
 

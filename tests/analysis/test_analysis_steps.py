@@ -124,8 +124,8 @@ def test_a_store_without_steps_gives_an_empty_table_with_the_columns(con, plain_
 
 
 def test_growth_is_the_least_squares_slope_per_step_with_its_interval(scon):
-    from mismatch_lab.analysis.steps import GROWTH_COLUMNS, growth
     from mismatch_lab.analysis.stats import t_quantile
+    from mismatch_lab.analysis.steps import GROWTH_COLUMNS, growth
 
     series = step_series(scon)
     fits = growth(series, "abs_dp_mean")

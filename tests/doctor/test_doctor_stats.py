@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mismatch_lab.doctor import bands as B
 from mismatch_lab.analysis.stats import slope_ci, t_quantile
+from mismatch_lab.doctor import bands as B
 from mismatch_lab.doctor.verdicts import gate_status, judge, worst
 
 
@@ -61,3 +61,20 @@ def test_gate_fails_only_on_its_own_failing_checks():
     assert gate_status(rows, "slime") == (1, [rows[1]])
     assert gate_status(rows, None) == (0, [])
     assert worst(["ok", "fail", "warn"]) == "fail" and worst([]) == "ok"
+
+
+def test_the_slope_through_the_origin_equals_least_squares_without_an_intercept():
+    from mismatch_lab.analysis.stats import origin_slope_ci
+
+    rng = np.random.default_rng(3)
+    x = rng.uniform(100, 1000, 40)
+    y = -0.001 * x + rng.normal(0, 0.2, 40)
+    (b,), res, *_ = np.linalg.lstsq(x[:, None], y, rcond=None)
+    se = np.sqrt(res[0] / (len(x) - 1) / (x * x).sum())
+    fit = origin_slope_ci(x, y)
+    half = t_quantile(0.975, len(x) - 1) * se
+    assert fit.slope == pytest.approx(b, rel=1e-12) and fit.stderr == pytest.approx(se, rel=1e-9)
+    assert (fit.ci_low, fit.ci_high) == pytest.approx((b - half, b + half), rel=1e-9)
+    assert fit.ci_low < -0.001 < fit.ci_high  # covers the planted rate
+    with pytest.raises(ValueError, match="2 points"):
+        origin_slope_ci([5.0], [1.0])
