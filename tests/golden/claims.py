@@ -145,6 +145,9 @@ def quotes(g: Golden) -> list[Quote]:
     def pair(rollout, scorer, **kw):  # precision row of a (rollout, scorer) pair
         return g.one(PS, "precision", comparison="rollout_vs_scorer", rollout=rollout, scorer=scorer, **kw)
 
+    def lpair(rollout):  # precision row of a long-sequences rollout against the hf:fp32 trainer
+        return g.one("long-sequences", "precision", comparison="rollout_vs_scorer", rollout=rollout, scorer="hf:fp32")
+
     def floor(rollout, scorer):  # scorer vs the hf:fp32 reference on a rollout's tokens
         return g.one(PS, "precision", comparison="scorer_vs_reference", rollout=rollout, scorer=scorer)
 
@@ -235,6 +238,22 @@ def quotes(g: Golden) -> list[Quote]:
                [pair(r, "hf:fp32")["seq_n"] for r in ("vllm:bf16", "vllm:fp16")])),
         Quote(2, "mean sequence KL k1 is {0.042} vs {0.0021}",
               (pair("vllm:bf16", "hf:fp32")["seq_kl_k1_mean"], pair("vllm:fp16", "hf:fp32")["seq_kl_k1_mean"])),
+        # -- 2, long responses (long-sequences precision, scorer hf:fp32)
+        Quote(2, "{64} sequences per rollout of 512 to 1,024 tokens, mean {979} (bf16) and {988} (fp16)",
+              ([lpair(r)["seq_n"] for r in ("vllm:bf16", "vllm:fp16")], lpair("vllm:bf16")["seq_len_mean"],
+               lpair("vllm:fp16")["seq_len_mean"])),
+        Quote(2, "drifts by {−0.91} nats per 1K tokens (95 % t-interval {−1.27} to {−0.55}) behind the bf16 rollout and by "
+                 "{−0.039} ({−0.087} to {+0.009}) behind fp16",
+              tuple(lpair(r)[f"seq_logratio_rate{k}_per_1k"] for r in ("vllm:bf16", "vllm:fp16") for k in ("", "_ci_low", "_ci_high"))),
+        Quote(2, "({−1.7}, interval {−4.5} to {+1.2}; {+0.10}, {−0.29} to {+0.49})",
+              tuple(lpair(r)[f"seq_logratio_slope{k}_per_1k"] for r in ("vllm:bf16", "vllm:fp16") for k in ("", "_ci_low", "_ci_high"))),
+        Quote(2, "mean \\|Δp\\| is {0.0035} vs {0.00044} ({7.9}×) and mean sequence KL k3 {1.02} vs {0.016} nats",
+              (lpair("vllm:bf16")["abs_dp_mean"], lpair("vllm:fp16")["abs_dp_mean"],
+               lpair("vllm:bf16")["abs_dp_mean"] / lpair("vllm:fp16")["abs_dp_mean"],
+               lpair("vllm:bf16")["seq_kl_k3_mean"], lpair("vllm:fp16")["seq_kl_k3_mean"])),
+        Quote(2, "bf16 {−0.91} per 1K (paper −1.0), fp16 {−0.039}, an interval that holds the paper's −0.07",
+              (lpair("vllm:bf16")["seq_logratio_rate_per_1k"], lpair("vllm:fp16")["seq_logratio_rate_per_1k"]),
+              holds=lpair("vllm:fp16")["seq_logratio_rate_ci_low_per_1k"] < -0.07 < lpair("vllm:fp16")["seq_logratio_rate_ci_high_per_1k"]),
         # -- 3: what ratio clipping drops (precision-sweep clipping, vllm:bf16/hf:bf16, adv_sign all)
         Quote(3, "{158} of {14,116} tokens ({1.1} %) ratio-clipped, {117} of them ({74} %) with μ < 0.1 and none with μ ≥ 0.5",
               (n_clip, n_all, n_clip / n_all, clip_by_bucket[0], clip_by_bucket[0] / n_clip),
@@ -328,6 +347,12 @@ CONTEXT = [
     Context(2, "responses are ≤ {32} tokens", "the study's max_tokens (study.toml)"),
     Context(2, "do not test −{1.0} vs −{0.07}", "the paper's values"),
     Context(2, "nats per {1}K tokens", "the unit"),
+    Context(2, "64 sequences per rollout of {512} to {1,024} tokens", "the study's min_tokens and max_tokens (study.toml)"),
+    Context(2, "reach the {1,024}-token cap", "the study's max_tokens"),
+    Context(2, "bf16 −0.91 per {1}K (paper −{1.0})", "the unit; the paper's value"),
+    Context(2, "drifts by −0.91 nats per {1}K tokens", "the unit"),
+    Context(2, "an interval that holds the paper's −{0.07}", "the paper's value"),
+    Context(2, "({95} % t-interval", "the interval's level"),
     Context(3, "with μ < {0.1}", "a μ bucket"),
     Context(3, "none with μ ≥ {0.5}", "a μ bucket bound"),
     Context(3, "μ < {0.1} and none", "a μ bucket bound"),
