@@ -206,6 +206,21 @@ def test_in_turn_placement_on_cpu_is_the_resident_path(tiny_model):
     assert HFScorer(tiny_model, ["fp32"], device="cpu", placement="in_turn").placement == "resident"
 
 
+def test_auto_placement_loads_through_accelerate_and_scores_the_same_numbers(tiny_model):
+    # placement 'auto' is device_map="auto" (accelerate dispatches the layers over the visible devices). On
+    # this CPU machine every layer lands on the CPU, so this checks the load path and accelerate's hooks,
+    # not a split across GPUs (that needs two GPUs: docs/collect.md says it is not measured)
+    items = _items(5000, n=4)
+    auto = HFScorer(tiny_model, ["fp32", "bf16-wfp8"], device="cpu", placement="auto")
+    assert auto.placement == "auto"
+    got, want = auto.score(items), HFScorer(tiny_model, ["fp32", "bf16-wfp8"], device="cpu").score(items)
+    for name in want:
+        for field in ("logp", "entropy", "tv_exact_vs_ref"):
+            a, b = getattr(got[name], field), getattr(want[name], field)
+            if b is not None:
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_strict_weight_loading_names_the_first_mismatched_tensors(tiny_model):
     scorer = HFScorer(tiny_model, ["fp32"])
     sd = dict(scorer.models["fp32"].state_dict())
