@@ -236,3 +236,20 @@ def test_every_number_of_the_claims_table_is_checked_or_explained():
     assert not missing and not unexplained, (
         f"{len(unexplained)} number(s) neither checked nor explained (tests/golden/claims.py):\n"
         + "\n".join(unexplained + missing))
+
+
+def test_the_stability_run_ids_are_those_of_the_study_commands():
+    # claims.STABILITY_RUNS names the runs of studies/stability by their ids: they must be the ids its
+    # run.sh commands produce (TrainConfig.run_id of the study file plus each command's flags)
+    import argparse
+    import shlex
+
+    from mismatch_lab.rl.command import add_arguments, load_config
+
+    script = (REPO / "studies" / "stability" / "run.sh").read_text(encoding="utf-8")
+    commands = re.findall(r'^\s+"(--loss [^"]+)"$', script, flags=re.MULTILINE)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    ids = [load_config(parser.parse_args(["--study", str(REPO / "studies" / "stability" / "study.toml"),
+                                          *shlex.split(c)])).run_id() for c in commands]
+    assert len(commands) == 5 and sorted(ids) == sorted(claims.STABILITY_RUNS.values())

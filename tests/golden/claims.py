@@ -133,7 +133,30 @@ class Golden:
             raise LookupError(f"no train_metrics {name} for {loss}")
         return out
 
+    def run_metric(self, study: str, run_id: str, name: str) -> dict[int, float]:
+        """A training run's logged metric by step ({step: value}) from the study's train_metrics."""
+        out = {r["step"]: r.get("value") for r in self.rows(study, "violations", source="train_metrics", name=name,
+                                                             run_id=run_id)}
+        if not out:
+            raise LookupError(f"{study}: no train_metrics {name} for {run_id}")
+        return out
 
+    def run_steps(self, study: str, run_id: str, column: str) -> dict[int, float]:
+        """A run's per-step series measured from its stored tokens (analyze key steps, scorer of the run)."""
+        out = {r["step"]: r.get(column) for r in self.rows(study, "steps", run_id=run_id)}
+        if not out:
+            raise LookupError(f"{study}: no steps rows for {run_id}")
+        return out
+
+
+# studies/stability: its five commands' run ids (TrainConfig.run_id() of each command of its study.toml)
+STABILITY_RUNS = {
+    "pg_is": "stability-train-pg_is-ac1d09b65f",
+    "dppo_binary_tv": "stability-train-dppo_binary_tv-18403fe7c6",
+    "pg_is fp8": "stability-train-pg_is-8f08d42417",
+    "dppo_binary_tv fp8": "stability-train-dppo_binary_tv-4c1b6b815a",
+    "pg_is tie-grid": "stability-train-pg_is-baf7ed95e7",
+}
 LOSSES = ("dppo_binary_tv", "dppo_binary_kl", "dppo_topk_tv", "grpo", "pg_is", "cispo")
 PS = "precision-sweep"
 
