@@ -157,6 +157,7 @@ STABILITY_RUNS = {
     "dppo_binary_tv fp8": "stability-train-dppo_binary_tv-4c1b6b815a",
     "pg_is tie-grid": "stability-train-pg_is-baf7ed95e7",
 }
+ACC, LEN = "reward/accuracy/mean", "response/length/mean"
 LOSSES = ("dppo_binary_tv", "dppo_binary_kl", "dppo_topk_tv", "grpo", "pg_is", "cispo")
 PS = "precision-sweep"
 
@@ -186,6 +187,24 @@ def quotes(g: Golden) -> list[Quote]:
     def mean_of(loss, name, steps=None):
         series = g.train(loss, name)
         return statistics.fmean(v for s, v in series.items() if steps is None or s in steps)
+
+    def st_metric(run, name):  # a stability run's logged metric by step
+        return g.run_metric("stability", STABILITY_RUNS[run], name)
+
+    def st_mean(run, name):
+        return statistics.fmean(st_metric(run, name).values())
+
+    def st_window(run, name, k, *, first):  # mean over the first / last k steps
+        series = st_metric(run, name)
+        steps = sorted(series)[:k] if first else sorted(series)[-k:]
+        return statistics.fmean(series[s] for s in steps)
+
+    def st_growth(run):  # mean |π − μ| per step from the tokens: OLS slope and 95 % t-interval, per 100 steps
+        from mismatch_lab.analysis.stats import slope_ci
+
+        series = g.run_steps("stability", STABILITY_RUNS[run], "abs_dp_mean")
+        fit = slope_ci(sorted(series), [series[s] for s in sorted(series)])
+        return 100 * fit.slope, 100 * fit.ci_low, 100 * fit.ci_high
 
     rollouts = ("vllm:bf16", "vllm:fp16", "vllm:fp32")
     bb = pair("vllm:bf16", "hf:bf16")
@@ -341,6 +360,31 @@ def quotes(g: Golden) -> list[Quote]:
               ([e[1] for e in entropy.values()], min(e[10] for e in entropy.values()), max(e[10] for e in entropy.values()))),
         Quote(6, "grpo clips {3.3} % of tokens with A ≠ 0, DPPO masks {0.36} % (binary TV), {0.75} % (binary KL), {1.4} % (top-K TV)",
               (masked["grpo"], masked["dppo_binary_tv"], masked["dppo_binary_kl"], masked["dppo_topk_tv"])),
+        # -- 5 and 6 over 40 steps: studies/stability (its train_metrics, and mean |π − μ| per step from its tokens)
+        Quote(5, "the share averages {0.33} % (pg_is) vs {0.18} % (dppo_binary_tv) behind the bf16 rollout and {0.27} % vs "
+                 "{0.012} % behind the fp8-weights rollout: {61} vs {20} and {32} vs {8} such tokens",
+              (*(st_mean(r, "bad_update/all/frac") for r in ("pg_is", "dppo_binary_tv", "pg_is fp8", "dppo_binary_tv fp8")),
+               *(sum(st_metric(r, "bad_update/all/count").values())
+                 for r in ("pg_is", "dppo_binary_tv", "pg_is fp8", "dppo_binary_tv fp8")))),
+        Quote(6, "PG-IS's accuracy fell from {0.50} (steps 1–10) to {0.24} (steps 31–40) while its responses grew from {26} to "
+                 "{80} tokens",
+              (st_window("pg_is", ACC, 10, first=True), st_window("pg_is", ACC, 10, first=False),
+               st_metric("pg_is", LEN)[1], st_window("pg_is", LEN, 5, first=False))),
+        Quote(6, "DPPO (binary TV, masking {2.8} % of tokens with A ≠ 0) rose from {0.44} to {0.76} with responses shrinking "
+                 "to {13} tokens",
+              (st_mean("dppo_binary_tv", "mask/nonzero_adv/frac"), st_window("dppo_binary_tv", ACC, 10, first=True),
+               st_window("dppo_binary_tv", ACC, 10, first=False), st_window("dppo_binary_tv", LEN, 5, first=False))),
+        Quote(6, "both learned (PG-IS {0.34} → {0.52}, DPPO {0.24} → {0.68})",
+              tuple(st_window(r, ACC, 10, first=f) for r in ("pg_is fp8", "dppo_binary_tv fp8") for f in (True, False))),
+        Quote(6, "(per 100 steps: PG-IS {+0.026}, 95 % t-interval {−0.011} to {+0.063}; DPPO {+0.015}, {−0.019} to "
+                 "{+0.049}; both fp8-weights runs fell, {−0.014} and {−0.019})",
+              (*st_growth("pg_is"), *st_growth("dppo_binary_tv"), st_growth("pg_is fp8")[0],
+               st_growth("dppo_binary_tv fp8")[0]),
+              holds=st_growth("pg_is fp8")[2] < 0 and st_growth("dppo_binary_tv fp8")[2] < 0),
+        Quote(6, "(PG-IS {+0.041}, {+0.018} to {+0.064})", st_growth("pg_is tie-grid")),
+        Quote(6, "moves log π by {0.033} nats on average, of a total mean \\|Δ log p\\| of {0.053} against the rollout",
+              (st_mean("pg_is tie-grid", "mismatch/weight_rounding/abs_dlogp/mean"),
+               st_mean("pg_is tie-grid", "mismatch/abs_dlogp/mean"))),
         # -- 7: only the precision-sweep comparison is analyze output
         Quote(7, "(precision-sweep: {0.033})", (pair("vllm:bf16", "hf:fp32")["abs_dlogp_mean"],)),
         # -- 8: mismatch-lab corrections on precision-sweep, trainer hf:fp32
@@ -394,6 +438,17 @@ CONTEXT = [
     Context(6, "r > {3} clip", "CISPO's upper bound 1 + 2 (the train command)"),
     Context(6, "A ≠ {0}", "the advantage's sign"),
     Context(6, "in {10} steps", "the study's steps"),
+    Context(5, "Over {40} steps of responses up to {128} tokens", "the stability study's steps and max_tokens"),
+    Context(5, "fewer with DPPO in the {40}-step runs", "the stability study's steps"),
+    Context(6, "(one seed, {40} steps × {16} responses of up to {128} tokens", "the stability study's size (study.toml)"),
+    Context(6, "(steps {1}–{10}) to 0.24 (steps {31}–{40})", "the step ranges averaged"),
+    Context(6, "(mean of the last {5} steps)", "the step range averaged"),
+    Context(6, "with A ≠ {0})", "the advantage's sign"),
+    Context(6, "any {40}-step run (per {100} steps", "the stability study's steps; the slope's unit"),
+    Context(6, "{95} % t-interval", "the interval's level"),
+    Context(6, "over {20} steps from the tie-grid checkpoint", "the tie-grid run's steps so far"),
+    Context(6, "to {bf16} alone", "a dtype name"),
+    Context(6, "no growing mismatch in {40} steps", "the stability study's steps"),
     Context(7, "{32} prompts × {1} sample × ≤ {32} tokens", "the study's size (study.toml)"),
     Context(8, "fp{32}", "a dtype name"),
     Context(8, "of ≤ {32} tokens", "the study's max_tokens (study.toml)"),
