@@ -156,11 +156,15 @@ def fig9_steps(con: duckdb.DuckDBPyConnection, rows=None) -> list[tuple[str, Fig
     )
     fits = {col: {tuple(f[:3]): f for f in growth(series, col).itertuples(index=False)} for col, _, _ in panels}
     marker = "o-" if series["step"].nunique() <= 40 else "-"
-    fig, axes = _fig(1, 2, w=4.2, h=2.9, left=0.9, wgap=1.0)
+    legend_room = 0.11 * len(lines) if len(lines) <= MAX_LEGEND_LINES else 0.0  # inches under the axes
+    fig, axes = _fig(1, 2, w=4.2, h=2.9, left=0.9, wgap=1.0, bottom=0.75 + legend_room)
+    per_run = pd.Series([key[0] for key, _ in lines]).value_counts()
     for ax, (col, ylabel, title) in zip(axes[0], panels):
         for i, (key, g) in enumerate(lines):
             fit = fits[col].get(key)
-            name = f"{label.get(key[0], key[0])}: {_pair_label(*key[1:])}" + (f", {_growth_text(fit)}" if fit else "")
+            # the run's label names its rollout; the pair is added where a run has several scorers
+            name = label.get(key[0], key[0]) + (f": {_pair_label(*key[1:])}" if per_run[key[0]] > 1 else "")
+            name += f", {_growth_text(fit)}" if fit else ""
             ax.plot(g["step"], g[col], marker, ms=2.5, lw=1.1, color=cmap(i % 10), label=name)
         pos = series[col][series[col] > 0]
         if len(pos) and pos.max() / pos.min() > 100 and (series[col] > 0).all():
@@ -169,8 +173,8 @@ def fig9_steps(con: duckdb.DuckDBPyConnection, rows=None) -> list[tuple[str, Fig
         ax.set_xlabel("training step (optimizer steps)", fontsize=8)
         ax.set_ylabel(ylabel, fontsize=8)
         ax.tick_params(labelsize=7)
-        if len(lines) <= MAX_LEGEND_LINES:
-            ax.legend(fontsize=5.5)
+        if len(lines) <= MAX_LEGEND_LINES:  # under the axes: long labels would cover the curves
+            ax.legend(fontsize=5.5, loc="upper left", bbox_to_anchor=(0.0, -0.18), frameon=False)
     per_line = "; ".join(
         f"{label.get(key[0], key[0])} {_pair_label(*key[1:])}: {g['step'].nunique()} steps, "
         f"n = {int(g['n_finite'].sum()):,} tokens"
