@@ -429,7 +429,9 @@ def train(cfg: TrainConfig, *, progress: bool = True, log=None) -> str:
         return run_id
     model, optimizer, start = _load_trainer(cfg, model_path, ckpt_path)
     if start >= cfg.steps:  # the checkpoint already covers the requested steps: no engine needed
-        _delete_steps_after(writer.con, run_id, cfg.steps)
+        # only rows after the checkpoint are unbacked; the steps between cfg.steps and the checkpoint are the
+        # checkpoint's own history and stay (deleting them lost steps when a smaller --steps followed a kill)
+        _delete_steps_after(writer.con, run_id, start)
         writer.set_status(run_id, "complete")
         writer.close()
         return run_id

@@ -133,6 +133,26 @@ def test_two_loop_steps_write_metrics_and_step_sequences(tiny_model, tmp_path, m
     assert ckpt["step"] == 2 and "optimizer" in ckpt and ckpt["optimizer"]["state"]
 
 
+def test_a_smaller_steps_after_an_interrupted_longer_run_keeps_the_checkpointed_steps(tiny_model, tmp_path, monkeypatch):
+    # studies/stability/run.sh asks for 20, 40, ... steps in turn: re-run after a kill, a run whose checkpoint
+    # is past the current target must keep every stored step its checkpoint holds
+    from mismatch_lab.rl.tasks import TASKS
+
+    monkeypatch.setitem(TASKS, "parity", _ParityTask)
+    cfg = TrainConfig(model=tiny_model, loss="grpo", task="parity", samples_per_prompt=2, steps=2, prompts_per_step=2,
+                      max_tokens=6, lr=1e-3, rollout_dtype="fp32", checkpoint_every=1, db=str(tmp_path / "s.duckdb"),
+                      out=str(tmp_path / "runs"), kv_cache_mb=256, study="test")
+    run_id = train(cfg, progress=False)
+    db = tmp_path / "s.duckdb"
+    with duckdb.connect(str(db)) as con:  # what a kill during a later, longer invocation leaves behind
+        con.execute("UPDATE runs SET status = 'running' WHERE run_id = ?", [run_id])
+    cfg.steps = 1
+    assert train(cfg, progress=False) == run_id
+    assert _rows(db, "SELECT DISTINCT step FROM sequences ORDER BY step") == [(1,), (2,)]
+    assert _rows(db, "SELECT chunk FROM chunks_done ORDER BY chunk") == [(1,), (2,)]
+    assert _rows(db, "SELECT status FROM runs") == [("complete",)]
+
+
 def test_killed_run_resumes_without_duplicate_rows(tiny_model, tmp_path, signalled_cli):
     db, out = tmp_path / "k.duckdb", tmp_path / "runs"
     args = ["train", "--model", tiny_model, "--loss", "grpo",
