@@ -86,13 +86,13 @@ def drift_summary(seqs: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
         ok = g[g["logratio_sum"].notna()]
         x, y = ok["response_len"].to_numpy(float), ok["logratio_sum"].to_numpy(float)
         slope = intercept = lo = hi = np.nan
-        if len(x) >= 2 and np.ptp(x) > 0:
-            xc = x - x.mean()
-            slope = float((xc * (y - y.mean())).sum() / (xc * xc).sum())
-            intercept = float(y.mean() - slope * x.mean())
         if len(x) >= 3 and np.ptp(x) > 0:
             fit = slope_ci(x, y)
-            lo, hi = fit.ci_low, fit.ci_high
+            slope, lo, hi = fit.slope, fit.ci_low, fit.ci_high
+        elif len(x) == 2 and np.ptp(x) > 0:  # the line through both points, no interval
+            slope = float((y[1] - y[0]) / (x[1] - x[0]))
+        if not np.isnan(slope):
+            intercept = float(y.mean() - slope * x.mean())
         rate = (np.nan,) * 3
         if len(x) >= 2:
             f0 = origin_slope_ci(x, y)

@@ -105,10 +105,11 @@ def steps(m: Measurements) -> pd.DataFrame:
 
     series = step_series(m.con, _rows=m.rows)
     fits = growth(series, "abs_dp_mean")
+    ok = series[series["abs_dp_mean"].notna()]
+    runs = {key: g.sort_values("step") for key, g in ok.groupby(["run_id", "rollout", "scorer"], sort=False)}
     out = []
     for fit in fits.itertuples(index=False):
-        g = series[(series["run_id"] == fit.run_id) & (series["rollout"] == fit.rollout)
-                   & (series["scorer"] == fit.scorer) & series["abs_dp_mean"].notna()].sort_values("step")
+        g = runs[(fit.run_id, fit.rollout, fit.scorer)]
         k = max(1, len(g) // 4)
         y = g["abs_dp_mean"].to_numpy(float)
         out.append(fit._asdict() | {"first_mean": float(np.mean(y[:k])), "last_mean": float(np.mean(y[-k:])), "k": k})
