@@ -290,6 +290,16 @@ def precision_of(path: str | None = None):
     return _call(path or store(), precision.precision_table)
 
 
+def corrections_of(path: str | None = None):
+    """The Corrections page's tables: every method of the registry on every pair, published defaults."""
+    from mismatch_lab.corrections.compare import compare
+    from mismatch_lab.corrections.layout import pair_info
+
+    if _call(path or store(), pair_info).empty:
+        return None
+    return _call(path or store(), compare, overrides=None)
+
+
 class _PairRows:
     """One pair's rollout rows joined once into a temporary table on a cursor of their own (the join of
     tokens and scores is most of a volatility pass), so that every bucketing of the pair -- a new bucket
@@ -389,6 +399,7 @@ def _warm(path: str) -> None:
         volatility_of(pair.rollout, pair.scorer, "log", path=path)
     for scorer in sorted(set(pairs["scorer"])):
         worst_of(scorer, path=path)
+    corrections_of(path)
 
 
 class _WarmUp(threading.Thread):

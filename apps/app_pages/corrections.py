@@ -109,7 +109,7 @@ if items:
 if lab_ui.query(pair_info).empty:  # (compare() needs at least one pair)
     st.info("No scored tokens yet: the comparison needs a rollout and at least one scorer.")
     st.stop()
-tables = lab_ui.query(compare, overrides=overrides or None)
+tables = lab_ui.query(compare, overrides=overrides) if overrides else lab_ui.corrections_of()  # (warmed)
 main = tables["corrections"]
 if main.empty:
     st.info("No scored tokens yet: the comparison needs a rollout and at least one scorer.")

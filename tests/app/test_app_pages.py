@@ -227,6 +227,7 @@ def own_store(tmp_path, duckdb_store):
 
 def test_the_warm_up_computes_exactly_what_the_pages_ask_for(monkeypatch, own_store):
     from mismatch_lab.analysis import browse, clipping, precision, volatility
+    from mismatch_lab.corrections import compare
 
     monkeypatch.syspath_prepend(str(APP.parent))
     import lab_ui
@@ -249,18 +250,21 @@ def test_the_warm_up_computes_exactly_what_the_pages_ask_for(monkeypatch, own_st
         (clipping, "clipping_by_category"),
         (clipping, "top_clipped_tokens"),
         (browse, "worst_sequences"),
+        (compare, "compare"),
     ]:
         counting(module, name)
     lab_ui._warm(str(own_store))  # what the background thread runs
     warmed = dict(calls)
     # 3 pairs: volatility linear + log, clipping and top tokens each; worst sequences overall + per scorer;
-    # the precision table twice: the Overview's table and the Doctor section's checks
+    # the precision table twice: the Overview's table and the Doctor section's checks; the Corrections
+    # page's comparison of every method once
     assert warmed == {
         "precision_table": 2,
         "volatility_table": 6,
         "clipping_by_category": 3,
         "top_clipped_tokens": 3,
         "worst_sequences": 3,
+        "compare": 1,
     }
 
     at = start(monkeypatch, own_store)
@@ -272,6 +276,7 @@ def test_the_warm_up_computes_exactly_what_the_pages_ask_for(monkeypatch, own_st
     apply(at)
     visit(at, "inspector").radio(key="insp_mode").set_value("Worst sequences by max |Δp|").run()
     at.selectbox(key="insp_worst_scorer").set_value("hf:bf16").run()
+    visit(at, "corrections")
     assert not at.exception
     assert calls == warmed  # every view above was served from the warm cache
 
