@@ -1,5 +1,6 @@
 """What every run needs before its first token, shared by `collect` and the training loop: the tokenizer and
-context length, chat-templated prompt ids, per-sample seeds, the device's name and the library versions.
+context length, chat-templated prompt ids, per-sample seeds, the device's name, the library versions, and
+the rule that turns a run's configuration into its id.
 
 Cheap to import: the heavy libraries load inside the functions that use them.
 """
@@ -46,6 +47,24 @@ def encode_prompts(tokenizer, prompts: list[dict]) -> tuple[list[list[int]], boo
             text = p["prompt"]
         ids.append(tokenizer(text, add_special_tokens=not has_template)["input_ids"])
     return ids, has_template
+
+
+def run_identity(cfg, *, leave_out=(), unless_default=()) -> dict:
+    """The fields of a config dataclass that name its run: every field but `leave_out`, and the fields of
+    `unless_default` only where they differ from the class default (options added after runs were stored:
+    at their default the ids of those runs stay what they were)."""
+    from dataclasses import asdict
+
+    defaults = type(cfg)()
+    return {k: v for k, v in asdict(cfg).items()
+            if k not in leave_out and not (k in unless_default and v == getattr(defaults, k))}
+
+
+def config_key(identity: dict) -> str:
+    """The 10 hex digits a run id ends with: SHA-256 of the identity as sorted JSON."""
+    import json
+
+    return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:10]
 
 
 def sample_seed(seed: int, prompt_index: int, sample_idx: int) -> int:

@@ -13,6 +13,8 @@ CHUNK_TOKENS = {"cpu": 4096, "cuda": 262144}  # token budget of a chunk by devic
 RUN_LOCAL = ("db", "device", "rollout_dtypes", "gpu_memory_utilization", "memory_plan")
 """Fields that do not determine a run's rows: left out of the run id (adding a rollout dtype to a study
 later does not redo the runs already there)."""
+IN_RUN_ID_UNLESS_DEFAULT = ("min_tokens", "rollout_weights")
+"""Fields added after studies were stored: hashed only when set, so the run ids of those studies stay."""
 
 
 @dataclass

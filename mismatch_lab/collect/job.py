@@ -10,14 +10,17 @@ transaction, so an interrupted run resumes at its first missing chunk when the s
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from mismatch_lab.collect.config import RUN_LOCAL, CollectConfig
+from mismatch_lab.collect.config import (
+    IN_RUN_ID_UNLESS_DEFAULT,
+    RUN_LOCAL,
+    CollectConfig,
+)
 from mismatch_lab.collect.prompts import (
     encode_prompts,
     make_chunks,
@@ -25,7 +28,7 @@ from mismatch_lab.collect.prompts import (
     sample_seed,
 )
 from mismatch_lab.errors import UserError
-from mismatch_lab.runtime import device_name, load_model_info
+from mismatch_lab.runtime import config_key, device_name, load_model_info, run_identity
 from mismatch_lab.runtime import load_tokenizer as _load_tokenizer  # noqa: F401  (re-exported)
 from mismatch_lab.runtime import versions as runtime_versions
 
@@ -82,11 +85,7 @@ def prepare(cfg: CollectConfig, *, verbose: bool = False) -> Job:
     job = Job(cfg, prompts, model, tokenizer, model_config, max_len, prompt_ids, skipped, chunks, hf_dtypes,
               vllm_dtypes, device)
     # the run id hashes what determines a run's rows (RUN_LOCAL fields do not)
-    job.base_cfg = {k: v for k, v in asdict(cfg).items() if k not in RUN_LOCAL}
-    if not cfg.min_tokens:  # added later: at its default it leaves the run ids of stored studies unchanged
-        del job.base_cfg["min_tokens"]
-    if cfg.rollout_weights == "none":  # hashed only when set: the run ids of earlier stores stay what they were
-        del job.base_cfg["rollout_weights"]
+    job.base_cfg = run_identity(cfg, leave_out=RUN_LOCAL, unless_default=IN_RUN_ID_UNLESS_DEFAULT)
     job.base_cfg.update(model_resolved=model, prompts_sha256=_file_sha(cfg.prompts), chat_template=templated,
                         max_model_len_used=max_len, chunk_tokens=0 if cfg.chunk_prompts else cfg.chunk_budget(device))
     return job
@@ -179,8 +178,7 @@ def pending_runs(job: Job, writer) -> tuple[list[str], list[PendingRun]]:
     run_ids, pending = [], []
     for dt in job.cfg.rollout_dtypes:
         run_cfg = dict(job.base_cfg, rollout_dtype=dt, weights_sha256=sha)
-        key = hashlib.sha256(json.dumps(run_cfg, sort_keys=True, default=str).encode()).hexdigest()[:10]
-        run_id = f"{job.cfg.study}-collect-{job.cfg.engine}-{weights_label(dt, job.cfg.rollout_weights)}-{key}"
+        run_id = f"{job.cfg.study}-collect-{job.cfg.engine}-{weights_label(dt, job.cfg.rollout_weights)}-{config_key(run_cfg)}"
         run_ids.append(run_id)
         if writer.run_status(run_id) == "complete":
             print(f"{run_id}: already complete, skipped", file=sys.stderr)

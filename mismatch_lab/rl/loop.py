@@ -30,8 +30,6 @@ uninterrupted run would have sampled from the same weights.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 import os
 import random
@@ -185,10 +183,9 @@ class TrainConfig:
         self.loss_config()
 
     def run_id(self) -> str:
-        defaults = TrainConfig()
-        cfg = {k: v for k, v in asdict(self).items() if k not in _NOT_IN_RUN_ID
-               and not (k in _IN_RUN_ID_UNLESS_DEFAULT and v == getattr(defaults, k))}
-        key = hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode()).hexdigest()[:10]
+        from mismatch_lab.runtime import config_key, run_identity
+
+        key = config_key(run_identity(self, leave_out=_NOT_IN_RUN_ID, unless_default=_IN_RUN_ID_UNLESS_DEFAULT))
         return f"{self.study}-train-{self.loss}-{key}"
 
 

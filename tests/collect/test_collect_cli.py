@@ -195,7 +195,7 @@ def test_a_study_file_names_the_study_and_flags_override_it(tmp_path):
     assert (cfg.samples, cfg.score_batch_tokens, cfg.rollout_dtypes) == (5, 512, ["bf16"])
 
 
-def test_min_tokens_enters_the_run_id_only_when_set(tmp_path, tiny_model):
+def test_min_tokens_and_rollout_weights_enter_the_run_id_only_when_set(tmp_path, tiny_model):
     import argparse
 
     from mismatch_lab.collect import add_arguments, load_config
@@ -210,6 +210,7 @@ def test_min_tokens_enters_the_run_id_only_when_set(tmp_path, tiny_model):
 
     assert "min_tokens" not in base_cfg()  # run ids of runs stored before the option existed stay the same
     assert base_cfg("--min-tokens", "3")["min_tokens"] == 3
+    assert "rollout_weights" not in base_cfg() and base_cfg("--rollout-weights", "fp8")["rollout_weights"] == "fp8"
 
 
 # ------------------------------------------------------------------------------------ the embedded model
