@@ -194,10 +194,9 @@ def quotes(g: Golden) -> list[Quote]:
     def st_mean(run, name):
         return statistics.fmean(st_metric(run, name).values())
 
-    def st_window(run, name, k, *, first):  # mean over the first / last k steps
+    def st_range(run, name, first, last):  # mean over steps first..last
         series = st_metric(run, name)
-        steps = sorted(series)[:k] if first else sorted(series)[-k:]
-        return statistics.fmean(series[s] for s in steps)
+        return statistics.fmean(v for s, v in series.items() if first <= s <= last)
 
     def st_growth(run):  # mean |π − μ| per step from the tokens: OLS slope and 95 % t-interval, per 100 steps
         from mismatch_lab.analysis.stats import slope_ci
@@ -370,29 +369,34 @@ def quotes(g: Golden) -> list[Quote]:
               ([e[1] for e in entropy.values()], min(e[10] for e in entropy.values()), max(e[10] for e in entropy.values()))),
         Quote(6, "grpo clips {3.3} % of tokens with A ≠ 0, DPPO masks {0.36} % (binary TV), {0.75} % (binary KL), {1.4} % (top-K TV)",
               (masked["grpo"], masked["dppo_binary_tv"], masked["dppo_binary_kl"], masked["dppo_topk_tv"])),
-        # -- 5 and 6 over 40 steps: studies/stability (its train_metrics, and mean |π − μ| per step from its tokens)
-        Quote(5, "the share averages {0.33} % (pg_is) vs {0.18} % (dppo_binary_tv) behind the bf16 rollout and {0.27} % vs "
-                 "{0.012} % behind the fp8-weights rollout: {61} vs {20} and {32} vs {8} such tokens",
+        # -- 5 and 6 over 100 steps: studies/stability (its train_metrics, and mean |π − μ| per step from its tokens)
+        Quote(5, "the share averages {0.26} % (pg_is) vs {0.15} % (dppo_binary_tv) behind the bf16 rollout and {0.18} % vs "
+                 "{0.012} % behind the fp8-weights rollout: {159} vs {35} and {48} vs {21} such tokens, fewer with DPPO in both",
               (*(st_mean(r, "bad_update/all/frac") for r in ("pg_is", "dppo_binary_tv", "pg_is fp8", "dppo_binary_tv fp8")),
                *(sum(st_metric(r, "bad_update/all/count").values())
-                 for r in ("pg_is", "dppo_binary_tv", "pg_is fp8", "dppo_binary_tv fp8")))),
-        Quote(6, "PG-IS's accuracy fell from {0.50} (steps 1–10) to {0.24} (steps 31–40) while its responses grew from {26} to "
-                 "{80} tokens",
-              (st_window("pg_is", ACC, 10, first=True), st_window("pg_is", ACC, 10, first=False),
-               st_metric("pg_is", LEN)[1], st_window("pg_is", LEN, 5, first=False))),
-        Quote(6, "DPPO (binary TV, masking {2.8} % of tokens with A ≠ 0) rose from {0.44} to {0.76} with responses shrinking "
-                 "to {13} tokens",
-              (st_mean("dppo_binary_tv", "mask/nonzero_adv/frac"), st_window("dppo_binary_tv", ACC, 10, first=True),
-               st_window("dppo_binary_tv", ACC, 10, first=False), st_window("dppo_binary_tv", LEN, 5, first=False))),
-        Quote(6, "both learned (PG-IS {0.34} → {0.52}, DPPO {0.24} → {0.68})",
-              tuple(st_window(r, ACC, 10, first=f) for r in ("pg_is fp8", "dppo_binary_tv fp8") for f in (True, False))),
-        Quote(6, "(per 100 steps: PG-IS {+0.026}, 95 % t-interval {−0.011} to {+0.063}; DPPO {+0.015}, {−0.019} to "
-                 "{+0.049}; both fp8-weights runs fell, {−0.014} and {−0.019})",
+                 for r in ("pg_is", "dppo_binary_tv", "pg_is fp8", "dppo_binary_tv fp8"))),
+              holds=all(sum(st_metric(f"dppo_binary_tv{x}", "bad_update/all/count").values())
+                        < sum(st_metric(f"pg_is{x}", "bad_update/all/count").values()) for x in ("", " fp8"))),
+        Quote(6, "PG-IS went {0.50} → {0.58}, after a trough of {0.24} over steps 31–50 while its responses grew from {36} to "
+                 "{87} tokens",
+              (st_range("pg_is", ACC, 1, 10), st_range("pg_is", ACC, 91, 100), st_range("pg_is", ACC, 31, 50),
+               st_range("pg_is", LEN, 1, 10), st_range("pg_is", LEN, 41, 50))),
+        Quote(6, "DPPO (binary TV, masking {2.0} % of tokens with A ≠ 0) rose to {0.77} (steps 21–30) and then collapsed to "
+                 "{0.19}, its responses shrinking to {10} tokens and its entropy to {0.19} nats while it masked almost nothing "
+                 "({0.11} % of tokens",
+              (st_mean("dppo_binary_tv", "mask/nonzero_adv/frac"), st_range("dppo_binary_tv", ACC, 21, 30),
+               st_range("dppo_binary_tv", ACC, 91, 100), st_range("dppo_binary_tv", LEN, 91, 100),
+               st_range("dppo_binary_tv", "entropy/mean", 91, 100),
+               st_range("dppo_binary_tv", "mask/nonzero_adv/frac", 61, 70))),
+        Quote(6, "both learned (PG-IS {0.34} → {0.65}, DPPO {0.24} → {0.83})",
+              tuple(st_range(r, ACC, *w) for r in ("pg_is fp8", "dppo_binary_tv fp8") for w in ((1, 10), (91, 100)))),
+        Quote(6, "grew significantly in no run (per 100 steps: PG-IS {−0.033}, 95 % t-interval {−0.041} to {−0.024}; DPPO "
+                 "{+0.009}, {−0.006} to {+0.024}; the fp8-weights runs {−0.023} and {−0.035}; PG-IS from the tie-grid "
+                 "checkpoint {+0.003}, {−0.002} to {+0.008})",
               (*st_growth("pg_is"), *st_growth("dppo_binary_tv"), st_growth("pg_is fp8")[0],
-               st_growth("dppo_binary_tv fp8")[0]),
-              holds=st_growth("pg_is fp8")[2] < 0 and st_growth("dppo_binary_tv fp8")[2] < 0),
-        Quote(6, "(PG-IS {+0.041}, {+0.018} to {+0.064})", st_growth("pg_is tie-grid")),
-        Quote(6, "moves log π by {0.033} nats on average, of a total mean \\|Δ log p\\| of {0.053} against the rollout",
+               st_growth("dppo_binary_tv fp8")[0], *st_growth("pg_is tie-grid")),
+              holds=all(st_growth(r)[1] < 0 for r in STABILITY_RUNS)),
+        Quote(6, "moves log π by {0.034} nats on average, of a total mean \\|Δ log p\\| of {0.053} against the rollout",
               (st_mean("pg_is tie-grid", "mismatch/weight_rounding/abs_dlogp/mean"),
                st_mean("pg_is tie-grid", "mismatch/abs_dlogp/mean"))),
         # -- 7: only the precision-sweep comparison is analyze output
@@ -450,17 +454,18 @@ CONTEXT = [
     Context(6, "r > {3} clip", "CISPO's upper bound 1 + 2 (the train command)"),
     Context(6, "A ≠ {0}", "the advantage's sign"),
     Context(6, "in {10} steps", "the study's steps"),
-    Context(5, "Over {40} steps of responses up to {128} tokens", "the stability study's steps and max_tokens"),
-    Context(5, "fewer with DPPO in the {40}-step runs", "the stability study's steps"),
-    Context(6, "(one seed, {40} steps × {16} responses of up to {128} tokens", "the stability study's size (study.toml)"),
-    Context(6, "(steps {1}–{10}) to 0.24 (steps {31}–{40})", "the step ranges averaged"),
-    Context(6, "(mean of the last {5} steps)", "the step range averaged"),
+    Context(5, "Over {100} steps of responses up to {128} tokens", "the stability study's steps and max_tokens"),
+    Context(5, "fewer with DPPO in the {100}-step runs", "the stability study's steps"),
+    Context(6, "(one seed, {100} steps × {16} responses of up to {128} tokens", "the stability study's size (study.toml)"),
+    Context(6, "over steps {1}–{10} → {91}–{100}", "the step ranges averaged"),
+    Context(6, "over steps {31}–{50}", "the step range averaged"),
+    Context(6, "(means of steps {1}–{10} and {41}–{50})", "the step ranges averaged"),
+    Context(6, "(steps {21}–{30})", "the step range averaged"),
+    Context(6, "A ≠ {0} over steps {61}–{70}", "the advantage's sign; the step range averaged"),
+    Context(6, "(per {100} steps:", "the slope's unit"),
     Context(6, "with A ≠ {0})", "the advantage's sign"),
-    Context(6, "any {40}-step run (per {100} steps", "the stability study's steps; the slope's unit"),
     Context(6, "{95} % t-interval", "the interval's level"),
-    Context(6, "over {20} steps from the tie-grid checkpoint", "the tie-grid run's steps so far"),
     Context(6, "to {bf16} alone", "a dtype name"),
-    Context(6, "no growing mismatch in {40} steps", "the stability study's steps"),
     Context(7, "{32} prompts × {1} sample × ≤ {32} tokens", "the study's size (study.toml)"),
     Context(8, "fp{32}", "a dtype name"),
     Context(8, "of ≤ {32} tokens", "the study's max_tokens (study.toml)"),
