@@ -102,17 +102,22 @@ def fig6_training(con: duckdb.DuckDBPyConnection, rows=None) -> list[tuple[str, 
     cmap = matplotlib.colormaps["tab10"]
     color = {r: cmap(i % 10) for i, r in enumerate(sorted(label))}
     n_steps = series.groupby("run_id")["step"].nunique()
-    marker = "o-" if n_steps.max() <= 40 else "-"
+    smooth = n_steps.max() > SMOOTH_ABOVE_STEPS  # long runs: faint per-step values under a trailing mean
     for ax, (title, ylabel, name) in zip(axes, panels):
         for run_id, s in series[series["name"] == name].groupby("run_id", sort=True):
             s = s.sort_values("step")
-            ax.plot(s["step"], s["value"], marker, ms=2.5, lw=1.1, color=color[run_id], label=label[run_id])
+            if smooth:
+                ax.plot(s["step"], s["value"], "-", lw=0.5, alpha=0.3, color=color[run_id])
+                trail = s["value"].rolling(SMOOTH_STEPS, min_periods=1).mean()
+                ax.plot(s["step"], trail, "-", lw=1.4, color=color[run_id], label=label[run_id])
+            else:
+                ax.plot(s["step"], s["value"], "o-", ms=2.5, lw=1.1, color=color[run_id], label=label[run_id])
         ax.set_title(f"{title}: {name}", fontsize=9)
         ax.set_xlabel("training step (optimizer steps)", fontsize=8)
         ax.set_ylabel(ylabel, fontsize=8)
         ax.tick_params(labelsize=7)
-        if len(label) <= MAX_LEGEND_LINES:
-            ax.legend(fontsize=6.5)
+    if len(label) <= MAX_LEGEND_LINES:
+        _legends(fig, axes)
     caption = (
         f"Per-step metrics logged by n = {len(n_steps)} training run(s) ({', '.join(f'{label[r]}: {int(n)} steps' for r, n in n_steps.items())}), "
         "one line per run. Mismatch is |π − μ| of the sampled tokens between the trainer and "
@@ -122,8 +127,26 @@ def fig6_training(con: duckdb.DuckDBPyConnection, rows=None) -> list[tuple[str, 
         "or over tokens with A < 0 (negative_adv/frac); entropy is the trainer's full-vocabulary entropy of π at "
         "each response token, averaged over response tokens; the panel title names the metric drawn (definitions "
         "in docs/rl.md)."
+        + (f" Runs of more than {SMOOTH_ABOVE_STEPS} steps: thin lines are the per-step values, thick lines their "
+           f"trailing mean over {SMOOTH_STEPS} steps." if smooth else "")
     )
     return [("fig6_training_curves", _finish(fig, "Training curves per run (DPPO Figs. 3 and 5 analogue)", caption))]
+
+
+SMOOTH_ABOVE_STEPS, SMOOTH_STEPS = 40, 5
+"""Figure 6 draws a trailing mean over SMOOTH_STEPS steps (beside faint per-step values) for longer runs."""
+
+
+def _legends(fig: Figure, axes: list) -> None:
+    """One legend in the grid's empty cell (right of the last panel) where there is one, else one per panel."""
+    handles, names = axes[0].get_legend_handles_labels()
+    if len(axes) % 2 and len(axes) > 1:
+        last, right = axes[-1].get_position(), axes[1].get_position()
+        fig.legend(handles, names, loc="center left", fontsize=7, frameon=False,
+                   bbox_to_anchor=(right.x0, last.y0, right.width, last.height))
+        return
+    for ax in axes:
+        ax.legend(fontsize=6.5)
 
 
 def _growth_text(fit, scale: float = 100.0) -> str:
