@@ -98,7 +98,8 @@ def fig6_training(con: duckdb.DuckDBPyConnection, rows=None) -> list[tuple[str, 
         panels.append((title, ylabel, name))
     if not panels:
         raise Skip("the training runs log none of the metrics figure 6 plots")
-    fig, axes = _grid(len(panels), ncols=2, w=4.2, h=2.8, left=0.9)
+    ncols = 2
+    fig, axes = _grid(len(panels), ncols=ncols, w=4.2, h=2.8, left=0.9)
     cmap = matplotlib.colormaps["tab10"]
     color = {r: cmap(i % 10) for i, r in enumerate(sorted(label))}
     n_steps = series.groupby("run_id")["step"].nunique()
@@ -117,7 +118,7 @@ def fig6_training(con: duckdb.DuckDBPyConnection, rows=None) -> list[tuple[str, 
         ax.set_ylabel(ylabel, fontsize=8)
         ax.tick_params(labelsize=7)
     if len(label) <= MAX_LEGEND_LINES:
-        _legends(fig, axes)
+        _legends(fig, axes, ncols)
     caption = (
         f"Per-step metrics logged by n = {len(n_steps)} training run(s) ({', '.join(f'{label[r]}: {int(n)} steps' for r, n in n_steps.items())}), "
         "one line per run. Mismatch is |π − μ| of the sampled tokens between the trainer and "
@@ -137,13 +138,15 @@ SMOOTH_ABOVE_STEPS, SMOOTH_STEPS = 40, 5
 """Figure 6 draws a trailing mean over SMOOTH_STEPS steps (beside faint per-step values) for longer runs."""
 
 
-def _legends(fig: Figure, axes: list) -> None:
-    """One legend in the grid's empty cell (right of the last panel) where there is one, else one per panel."""
+def _legends(fig: Figure, axes: list, ncols: int) -> None:
+    """One legend in the first empty cell of the grid (`_grid` with `ncols` columns; right of the last panel)
+    where there is one, else one per panel."""
     handles, names = axes[0].get_legend_handles_labels()
-    if len(axes) % 2 and len(axes) > 1:
-        last, right = axes[-1].get_position(), axes[1].get_position()
+    empty = len(axes) % ncols  # the column of the first empty cell in the last row
+    if empty and len(axes) > ncols:
+        last, column = axes[-1].get_position(), axes[empty].get_position()
         fig.legend(handles, names, loc="center left", fontsize=7, frameon=False,
-                   bbox_to_anchor=(right.x0, last.y0, right.width, last.height))
+                   bbox_to_anchor=(column.x0, last.y0, column.width, last.height))
         return
     for ax in axes:
         ax.legend(fontsize=6.5)
