@@ -47,8 +47,6 @@ RULES = {
 TWO_SIDED_SUMS = ("n", "n_nonfinite", "s_mu", "s_ent", "n_ent", "n_topk",
                   *(c for v in RULES["all"].values() for c in ((v,) if isinstance(v, str) else v)))
 """The sums clip_metrics(s, 'all') reads: all the per-token-string pass computes for the ranked tokens."""
-RANK_SUMS = ("n", "c_hi", "c_lo")
-"""What ranking the token strings reads (n_tokens, n_ratio_clip): all the pass over every token computes."""
 
 
 def clip_metrics(s: pd.DataFrame, sign: str) -> pd.DataFrame:
@@ -177,18 +175,28 @@ def top_clipped_tokens(
         return empty(TOKEN_COLUMNS)
     t = _thresholds(eps_low, eps_high, delta_tv, delta_kl)
     keys = ["rollout", "scorer", "token_text", "token_id", "category"]
-    # two passes: the ranking counts of every token, then every sum for the ranked tokens' rows only
-    counts = rows.token_sums(t, RANK_SUMS)
-    top = _ranked(counts.assign(n_tokens=counts["n"], n_ratio_clip=counts["c_hi"] + counts["c_lo"]), n)
-    if top.empty:
+    # two passes: the clip counts of every token from the clipped rows alone, then every sum for the rows
+    # of the tokens that can reach the top n (ties at the boundary are broken by the full counts)
+    clips = rows.token_sums(t, ("c_hi", "c_lo"), clipped=True)
+    contenders = _contenders(clips.assign(n_ratio_clip=clips["c_hi"] + clips["c_lo"]), n)
+    if contenders.empty:
         return empty(TOKEN_COLUMNS)
-    s = rows.token_sums(t, TWO_SIDED_SUMS, tokens=top[["token_text", "token_id"]])
-    s = top[[*keys, "rank"]].merge(s, on=keys, how="left")  # null keys match null keys
+    s = rows.token_sums(t, TWO_SIDED_SUMS, tokens=contenders[["token_text", "token_id"]])
+    s = contenders[keys].merge(s, on=keys, how="left")  # null keys match null keys
+    s = _ranked(s.assign(n_tokens=s["n"], n_ratio_clip=s["c_hi"] + s["c_lo"]), n)
     out = pd.concat([s[[*keys, "rank"]], clip_metrics(s, "all")], axis=1)
     out[list(COUNTS)] = out[list(COUNTS)].astype("int64")
     out["token_id"] = out["token_id"].astype("Int64")
     out["adv_sign"] = "all"  # two-sided: a string is ranked over all its occurrences
     return out[TOKEN_COLUMNS]
+
+
+def _contenders(s: pd.DataFrame, n: int) -> pd.DataFrame:
+    """The keys that can be among the n most clipped of their (rollout, scorer): n_ratio_clip > 0 and at
+    least the n-th largest n_ratio_clip of the pair (every key tied with the n-th is kept)."""
+    s = s[s["n_ratio_clip"] > 0]
+    nth = s.groupby(["rollout", "scorer"])["n_ratio_clip"].transform(lambda c: c.nlargest(int(n)).min())
+    return s[s["n_ratio_clip"] >= nth].reset_index(drop=True)
 
 
 def _ranked(s: pd.DataFrame, n: int) -> pd.DataFrame:

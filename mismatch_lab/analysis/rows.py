@@ -4,8 +4,8 @@ A pass is one GROUP BY over the joined rows. Most statistics are additive (count
 one pass on a fine grid -- (pair, run, step, advantage sign, category, linear mu bucket, log mu bucket)
 -- serves volatility, clipping, precision, violations and the per-step series at once; pandas then rolls
 the grid up. What is not additive gets a pass of its own: the quantiles per mu bucket (both scales in
-one pass), the per-sequence sums, and per token id the counts that rank the token strings (the other
-sums of the ranked tokens then read their rows alone).
+one pass), the per-sequence sums, and per token id the ratio-clip counts that rank the token strings
+(read from the clipped rows alone; every sum of the tokens that can reach the top then reads their rows).
 
 `Rows(con, filters)` reads the store live (a standalone analysis call). `Rows(..., materialize=True)`
 (what `run_all` uses) first joins tokens and scores once into a temporary table, label columns as
@@ -272,7 +272,12 @@ class Rows:
         return self._run(("scorer_sums", t, float(delta_tv)), run)
 
     def token_sums(
-        self, t: Thresholds, only: tuple[str, ...] | None = None, tokens: pd.DataFrame | None = None
+        self,
+        t: Thresholds,
+        only: tuple[str, ...] | None = None,
+        tokens: pd.DataFrame | None = None,
+        *,
+        clipped: bool = False,
     ) -> pd.DataFrame:
         """Sums per (rollout, scorer, token string, token_id, category) of the rollout rows. The pass groups
         by (run_id, token_id) -- ids are cheap to group -- and names them from `tokens` afterwards. A token
@@ -280,21 +285,25 @@ class Rows:
         NULL); a named token has token_id NULL, its string standing for every id that decodes to it.
         `only`: the sums to compute (default all): the pass groups ~10^5 keys, each sum costs. `tokens`:
         (token_text, token_id) keys as returned here: the pass then reads only the rows of their ids (the
-        sums of those keys are complete; other keys sharing an id may appear, partially summed)."""
+        sums of those keys are complete; other keys sharing an id may appear, partially summed).
+        `clipped`: only the rows the ratio clip of `t` drops (r > clip_high or r < clip_low): the counts
+        c_hi / c_lo of every key are still complete, the other sums cover those rows alone."""
         ids = None if tokens is None else self._token_ids(tokens)
 
         def run():
             rel, params = self.sql["rollout"]
-            where = "true" if ids is None else "token_id IN (SELECT unnest($tok_ids))"
+            where = ["true"] if ids is None else ["token_id IN (SELECT unnest($tok_ids))"]
+            if clipped:  # r is NULL on non-finite rows, which count_if(r > ...) does not count either
+                where.append(f"(r > {float(t.clip_high)!r} OR r < {float(t.clip_low)!r})")
             sql = f"""
                 SELECT rollout, scorer, run_id, token_id, category, {sums_sql(t, only, absent=self._const)}
-                FROM ({rel}) WHERE {where} GROUP BY ALL"""
+                FROM ({rel}) WHERE {' AND '.join(where)} GROUP BY ALL"""
             by_id = query(self.con, sql, params | {"tok_ids": ids})
             named = by_id.merge(self._token_names(), on=["run_id", "token_id"], how="left")
             named["token_id"] = named["token_id"].astype("Int64").where(named["token_text"].isna())
             return rollup(named, ["rollout", "scorer", "token_text", "token_id", "category"])
 
-        return self._run(("token_sums", t, only, None if ids is None else tuple(ids)), run)
+        return self._run(("token_sums", t, only, None if ids is None else tuple(ids), clipped), run)
 
     def _token_names(self) -> pd.DataFrame:
         """(run_id, token_id, token_text): the text of each id the store names (empty without texts)."""

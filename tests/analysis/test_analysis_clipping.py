@@ -103,19 +103,37 @@ def test_without_advantages_only_the_two_sided_rows_exist(plain_con):
     assert table["n_topk"].eq(0).all() and table["frac_topk_tv_mask"].isna().all()
 
 
-def test_top_clipped_tokens_rank_strings_by_clip_count(con, full_store):
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 8])
+def test_top_clipped_tokens_rank_strings_by_clip_count(con, full_store, n):
     ref = naive_rows(full_store)
     ok = ref[ref["finite"]]
-    top = top_clipped_tokens(con, n=3)
+    top = top_clipped_tokens(con, n=n)
     assert list(top.columns) == TOKEN_COLUMNS
     for (rollout, scorer), g in ok.groupby(["rollout", "scorer"]):
         stats = [
             (-int(((t["r"] < LO) | (t["r"] > HI)).sum()), -len(t), text, t)
             for text, t in g.groupby("token_text")
         ]
-        expect = sorted((s for s in stats if s[0] < 0), key=lambda s: s[:3])[:3]
+        expect = sorted((s for s in stats if s[0] < 0), key=lambda s: s[:3])[:n]
         got = top[(top["rollout"] == rollout) & (top["scorer"] == scorer)]
         assert list(got["token_text"]) == [s[2] for s in expect]
         assert list(got["rank"]) == list(range(1, len(expect) + 1))
         for (_, _, text, t), row in zip(expect, got.itertuples()):
             assert_row(pd.Series(row._asdict()), naive_rules(t, "all"), (rollout, scorer, text))
+
+
+def test_top_clipped_tokens_break_ties_at_the_cut_by_occurrences(con, full_store):
+    """The ranking pass reads only clipped rows; a key tied with the n-th on clip count must still be
+    ranked by its full occurrence count. The store has such ties: the test checks it does."""
+    ok = naive_rows(full_store).query("finite")
+    ties = 0
+    for (rollout, scorer), g in ok.groupby(["rollout", "scorer"]):
+        clip = g.assign(c=(g["r"] < LO) | (g["r"] > HI)).groupby("token_text")
+        stats = sorted(((-int(t["c"].sum()), -len(t), text) for text, t in clip if t["c"].any()))
+        # cuts where the n-th and the (n+1)-th share the clip count but not the occurrence count
+        for n in range(1, len(stats)):
+            if stats[n - 1][0] == stats[n][0] and stats[n - 1][1] != stats[n][1]:
+                ties += 1
+                got = top_clipped_tokens(con, n=n, rollout=rollout, scorer=scorer)
+                assert list(got["token_text"]) == [s[2] for s in stats[:n]], (rollout, scorer, n)
+    assert ties > 0
