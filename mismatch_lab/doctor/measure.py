@@ -20,6 +20,9 @@ one shared `rows.Rows` row set); the per-sequence numbers are one GROUP BY over 
              only in gen_batch: frac_differ (share of sequences not token-identical to the smallest batch's
              run), abs_dlogp_mean (mean |Δ log μ| on their shared prefix), n_seq, n_tok (figure 7's SQL)
     skipped  one row per rollout: the prompts skipped as longer than the context (skipped_prompts)
+    approximation  one row per (rollout, scorer, reference) whose tokens have the scorer's exact TV
+             against the reference scorer stored: the analyses' approximation_table (binary and top-K TV
+             as mask rules against the exact TV at δ_TV = 0.15: binary_tv_miss, topk_tv_miss, ...)
 """
 
 from __future__ import annotations
@@ -150,6 +153,15 @@ def skipped(m: Measurements) -> pd.DataFrame:
         FROM runs LEFT JOIN skipped_prompts k ON k.run_id = runs.run_id GROUP BY ALL ORDER BY rollout""")
 
 
-MEASUREMENTS = {"pairs": pairs, "steps": steps, "batch": batch, "skipped": skipped}
+def approximation(m: Measurements) -> pd.DataFrame:
+    """The approximation table's rows with an exact TV (module doc). Read live, with top-K: the shared
+    row set leaves top-K out, and these are scorer pairs, outside it anyway."""
+    from mismatch_lab.analysis.approximation import approximation_table
+
+    table = approximation_table(m.con)
+    return table[table["n_exact"] > 0].reset_index(drop=True)
+
+
+MEASUREMENTS = {"pairs": pairs, "steps": steps, "batch": batch, "skipped": skipped, "approximation": approximation}
 
 __all__ = ["MEASUREMENTS", "Measurements"]

@@ -4,6 +4,7 @@ measurements and returns advice only where the numbers support it, with the numb
     fp16            a fp16 rollout measured N× below bf16 (same engine, same or same-precision scorer)
     sequence_ratio  the product sequence ratio leaves [0.5, 2] for X % of sequences, the geometric mean Y %
     trust_region    PPO's ratio clip drops W % of tokens, DPPO's binary-TV mask Z %
+    tv_estimator    where exact TV is stored and tokens exceed δ_TV: binary TV misses X % of them, top-K Y %
     growth          a run whose per-step mean |π − μ| grows significantly
     batch           a rollout whose sequences change with the generation batch size
     nonfinite       non-finite rows, which every mean excludes
@@ -91,8 +92,45 @@ def trust_region(m: Measurements) -> list[dict]:
     w, z = 100 * r["frac_ratio_outside_clip"], 100 * r["frac_tv_mask"]
     because = (f"{r['rollout']}/{r['scorer']}: PPO's ratio clip (r outside [{d.CLIP_LOW:g}, {d.CLIP_HIGH:g}]) touches "
                f"{w:.3g} % of tokens before any update, DPPO's binary-TV mask (|π − μ| > {d.DELTA_TV:g}) {z:.3g} %")
-    return [_advice("trust_region", "bound the trust region (DPPO binary TV), not the ratio clip", because,
+    estimator = "top-K TV" if _topk_catches_more(m) else "binary TV"
+    return [_advice("trust_region", f"bound the trust region (DPPO {estimator}), not the ratio clip", because,
                     clip_pct=w, tv_mask_pct=z)]
+
+
+def _over_delta(m: Measurements) -> pd.DataFrame:
+    """Approximation rows where some token's exact TV exceeds δ_TV and binary TV misses some of them,
+    the most missed first."""
+    a = m.get("approximation")
+    if a.empty:
+        return a
+    a = a[(a["frac_exact_gt_delta"] > 0) & (a["binary_tv_miss"] > 0)]
+    return a.sort_values(["binary_tv_miss", "rollout", "scorer"], ascending=[False, True, True])
+
+
+def _topk_catches_more(m: Measurements) -> bool:
+    """Whether, on the approximation row where binary TV misses most, top-K TV misses fewer tokens."""
+    a = _over_delta(m)
+    return not a.empty and bool(a.iloc[0]["topk_tv_miss"] < a.iloc[0]["binary_tv_miss"])  # NaN: False
+
+
+def tv_estimator(m: Measurements) -> list[dict]:
+    """Binary TV is a lower bound of the exact TV (so is top-K TV, a finer one): where tokens cross δ_TV
+    it lets some through that the exact TV would mask. Advice only from stored exact TV."""
+    a = _over_delta(m)
+    if a.empty:
+        return []
+    r = a.iloc[0]
+    x = 100 * r["binary_tv_miss"]
+    where = (f"{r['scorer']} vs {r['reference']} on {r['rollout']}'s tokens: {100 * r['frac_exact_gt_delta']:.3g} % "
+             f"of {int(r['n_exact']):,} have an exact TV above δ_TV = {r['delta_tv']:g}; binary TV misses {x:.3g} % of them")
+    if _topk_catches_more(m):
+        y = 100 * r["topk_tv_miss"]
+        return [_advice("tv_estimator", "mask with top-K TV (DPPO top-K), not binary TV",
+                        f"{where}, top-K TV {y:.3g} %", binary_miss_pct=x, topk_miss_pct=y)]
+    if r["n_topk_exact"] > 0:
+        return []  # top-K was measured and misses as many: nothing to gain
+    return [_advice("tv_estimator", "record top-K lists (collect --top-k 20) to measure top-K TV",
+                    f"{where}; top-K TV was not recorded", binary_miss_pct=x)]
 
 
 def growth(m: Measurements) -> list[dict]:
@@ -127,8 +165,8 @@ def nonfinite(m: Measurements) -> list[dict]:
             for r in p.to_dict("records")]
 
 
-RULES = {"fp16": fp16, "sequence_ratio": sequence_ratio, "trust_region": trust_region, "growth": growth,
-         "batch": batch, "nonfinite": nonfinite}
+RULES = {"fp16": fp16, "sequence_ratio": sequence_ratio, "trust_region": trust_region, "tv_estimator": tv_estimator,
+         "growth": growth, "batch": batch, "nonfinite": nonfinite}
 
 
 def recommendations(m: Measurements) -> list[dict]:

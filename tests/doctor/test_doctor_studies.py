@@ -17,6 +17,7 @@ GATES = {
     "precision-sweep": {"verl": 0, "prime-rl": 0, "slime": 0, "bitwise": 1},
     "dppo-sanity": {"verl": 1, "prime-rl": 0, "slime": 0, "bitwise": 1},
     "batch-invariance": {"verl": 0, "prime-rl": 0, "slime": 0, "bitwise": 1},
+    "fp8-rollout": {"verl": 1, "prime-rl": 1, "slime": 1, "bitwise": 1},
 }
 
 
@@ -64,3 +65,45 @@ def test_batch_invariance_fails_bitwise_on_bf16_token_identity_only(diagnoses):
     assert sorted(tokens) == [("vllm:bf16", "fail")] * 2 + [("vllm:fp32", "ok")] * 2
     logp = {r["pair"]: r["value"] for r in dx.checks if r["check"] == "batch_logp"}
     assert logp["vllm:bf16"] == pytest.approx(0.030, abs=5e-4) and 0 < logp["vllm:fp32"] < 1e-5
+
+
+def _rules(dx) -> dict[str, dict]:
+    return {a["rule"]: a for a in dx.recommendations}
+
+
+def test_fp8_rollout_advises_top_k_tv_where_binary_tv_misses_most_tokens_above_delta(diagnoses):
+    rules = _rules(diagnoses["fp8-rollout"])
+    est = rules["tv_estimator"]  # claim 4: binary TV misses 78 % of the tokens above δ, top-K 32 %
+    assert est["advice"].startswith("mask with top-K TV")
+    assert est["numbers"]["binary_miss_pct"] == pytest.approx(78.2, abs=0.05)
+    assert est["numbers"]["topk_miss_pct"] == pytest.approx(31.6, abs=0.05)
+    assert "DPPO top-K TV" in rules["trust_region"]["advice"]
+
+
+def test_no_estimator_advice_where_no_token_crosses_delta(diagnoses):
+    # precision-sweep stores exact TV, but no token's exceeds δ_TV: binary TV misses nothing
+    from mismatch_lab.analysis.approximation import approximation_table
+
+    con = open_store(STUDIES / "precision-sweep")
+    table = approximation_table(con)
+    con.close()
+    exact = table[table["n_exact"] > 0]
+    assert len(exact) > 0 and (exact["frac_exact_gt_delta"] == 0).all()
+    rules = _rules(diagnoses["precision-sweep"])
+    assert "tv_estimator" not in rules and "DPPO binary TV" in rules["trust_region"]["advice"]
+
+
+def test_without_top_k_the_estimator_advice_asks_for_it():
+    """The fp8 store's measured approximation table with the top-K columns as a store without top-K
+    lists gives them (n_topk_exact 0, top-K columns empty)."""
+    from mismatch_lab.doctor.measure import Measurements
+    from mismatch_lab.doctor.recommend import trust_region, tv_estimator
+
+    con = open_store(STUDIES / "fp8-rollout")
+    with Measurements(con) as m:
+        a = m.get("approximation")
+        m._cache["approximation"] = a.assign(n_topk_exact=0, **{c: float("nan") for c in a if c.startswith("topk_tv")})
+        (est,) = tv_estimator(m)
+        assert est["advice"].startswith("record top-K lists") and "not recorded" in est["because"]
+        assert "DPPO binary TV" in trust_region(m)[0]["advice"]
+    con.close()
