@@ -181,7 +181,7 @@ def fig9_steps(con: duckdb.DuckDBPyConnection, rows=None) -> list[tuple[str, Fig
         ("kl_k3", "mean k3 = r − log r − 1 per step (nats)", "token KL(μ‖π), k3"),
     )
     fits = {col: {tuple(f[:3]): f for f in growth(series, col).itertuples(index=False)} for col, _, _ in panels}
-    marker = "o-" if series["step"].nunique() <= 40 else "-"
+    marker = "o-" if series["step"].nunique() <= SMOOTH_ABOVE_STEPS else "-"  # markers where fig6 draws no mean
     legend_room = 0.11 * len(lines) if len(lines) <= MAX_LEGEND_LINES else 0.0  # inches under the axes
     fig, axes = _fig(1, 2, w=4.2, h=2.9, left=0.9, wgap=1.0, bottom=0.75 + legend_room)
     per_run = pd.Series([key[0] for key, _ in lines]).value_counts()
