@@ -23,6 +23,7 @@ draws, so the interval reads as "how well a line fits", not as a test across run
 from __future__ import annotations
 
 import duckdb
+import numpy as np
 import pandas as pd
 
 from mismatch_lab.analysis import definitions as d
@@ -69,19 +70,27 @@ def step_series(
     return out.sort_values(["run_id", "rollout", "scorer", "step"]).reset_index(drop=True)[STEP_COLUMNS]
 
 
-GROWTH_COLUMNS = ["run_id", "rollout", "scorer", "n_steps", "slope", "ci_low", "ci_high"]
+def quarter(n_steps: int) -> int:
+    """How many steps first_mean / last_mean of `growth` average: a quarter of them, at least one."""
+    return max(1, int(n_steps) // 4)
+
+
+GROWTH_COLUMNS = ["run_id", "rollout", "scorer", "n_steps", "slope", "ci_low", "ci_high", "first_mean", "last_mean"]
 
 
 def growth(series: pd.DataFrame, metric: str = "abs_dp_mean") -> pd.DataFrame:
     """GROWTH_COLUMNS from a step_series frame: the per-step slope of `metric` and its 95 % t-interval, for
-    every (run_id, rollout, scorer) with at least 3 steps where the metric is not null."""
+    every (run_id, rollout, scorer) with at least 3 steps where the metric is not null; first_mean /
+    last_mean: the metric's mean over the first / last quarter of those steps (at least one step)."""
     from mismatch_lab.analysis.stats import slope_ci
 
     out = []
     for (run_id, rollout, scorer), g in series.groupby(["run_id", "rollout", "scorer"], sort=True):
-        g = g[g[metric].notna()]
+        g = g[g[metric].notna()].sort_values("step")
         if g["step"].nunique() < 3:
             continue
         fit = slope_ci(g["step"], g[metric])
-        out.append([run_id, rollout, scorer, len(g), fit.slope, fit.ci_low, fit.ci_high])
+        y, k = g[metric].to_numpy(float), quarter(len(g))
+        out.append([run_id, rollout, scorer, len(g), fit.slope, fit.ci_low, fit.ci_high,
+                    float(np.mean(y[:k])), float(np.mean(y[-k:]))])
     return pd.DataFrame(out, columns=GROWTH_COLUMNS)

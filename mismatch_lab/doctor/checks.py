@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import pandas as pd
 
+from mismatch_lab.analysis.steps import quarter
 from mismatch_lab.doctor import bands as B
 from mismatch_lab.doctor.measure import Measurements
 from mismatch_lab.doctor.verdicts import judge
@@ -84,7 +85,7 @@ DETAILS = {
     "pairs": lambda r: f"n = {int(r['n_finite']):,} finite rows, {int(r['seq_n']):,} sequences",
     "skipped": lambda r: "",
     "steps": lambda r: (f"95 % CI [{r['ci_low']:.3g}, {r['ci_high']:.3g}] over {int(r['n_steps'])} steps; "
-                        f"first {int(r['k'])} steps {r['first_mean']:.3g} → last {int(r['k'])} {r['last_mean']:.3g}"),
+                        f"first {quarter(r['n_steps'])} steps {r['first_mean']:.3g} → last {quarter(r['n_steps'])} {r['last_mean']:.3g}"),
     "batch": lambda r: (f"batch {int(r['b0'])} vs {int(r['batch'])}: {int(r['n_seq'])} sequences, "
                         f"{int(r['n_tok'])} prefix tokens"),
 }

@@ -31,7 +31,6 @@ import math
 from typing import Self
 
 import duckdb
-import numpy as np
 import pandas as pd
 
 from mismatch_lab.analysis import definitions as d
@@ -106,17 +105,7 @@ def steps(m: Measurements) -> pd.DataFrame:
     """One row per (run_id, rollout, scorer) with at least 3 steps: the growth of mean |π − μ| (module doc)."""
     from mismatch_lab.analysis.steps import growth, step_series
 
-    series = step_series(m.con, _rows=m.rows)
-    fits = growth(series, "abs_dp_mean")
-    ok = series[series["abs_dp_mean"].notna()]
-    runs = {key: g.sort_values("step") for key, g in ok.groupby(["run_id", "rollout", "scorer"], sort=False)}
-    out = []
-    for fit in fits.itertuples(index=False):
-        g = runs[(fit.run_id, fit.rollout, fit.scorer)]
-        k = max(1, len(g) // 4)
-        y = g["abs_dp_mean"].to_numpy(float)
-        out.append(fit._asdict() | {"first_mean": float(np.mean(y[:k])), "last_mean": float(np.mean(y[-k:])), "k": k})
-    return pd.DataFrame(out)
+    return growth(step_series(m.con, _rows=m.rows), "abs_dp_mean")
 
 
 def batch(m: Measurements) -> pd.DataFrame:

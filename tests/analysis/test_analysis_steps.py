@@ -135,6 +135,8 @@ def test_growth_is_the_least_squares_slope_per_step_with_its_interval(scon):
         (slope, _), cov = np.polyfit(g["step"].astype(float), g["abs_dp_mean"].astype(float), 1, cov=True)
         half = t_quantile(0.975, len(g) - 2) * np.sqrt(cov[0, 0])
         assert fit.n_steps == len(g)
+        y, k = g.sort_values("step")["abs_dp_mean"].to_numpy(float), max(1, len(g) // 4)  # a quarter, at least one
+        assert (fit.first_mean, fit.last_mean) == pytest.approx((y[:k].mean(), y[-k:].mean()), rel=1e-12)
         assert fit.slope == pytest.approx(slope, rel=1e-9)
         assert (fit.ci_low, fit.ci_high) == pytest.approx((slope - half, slope + half), rel=1e-6)
 
