@@ -149,7 +149,7 @@ class Golden:
         return out
 
 
-# studies/stability: its six commands' run ids (TrainConfig.run_id() of each command of its study.toml)
+# studies/stability: its eight commands' run ids (TrainConfig.run_id() of each command of its study.toml)
 STABILITY_RUNS = {
     "pg_is": "stability-train-pg_is-ac1d09b65f",
     "dppo_binary_tv": "stability-train-dppo_binary_tv-18403fe7c6",
@@ -157,6 +157,8 @@ STABILITY_RUNS = {
     "dppo_binary_tv fp8": "stability-train-dppo_binary_tv-4c1b6b815a",
     "pg_is tie-grid": "stability-train-pg_is-baf7ed95e7",
     "dppo_topk_tv": "stability-train-dppo_topk_tv-6b712c8cc2",
+    "dppo_binary_tv seed 1": "stability-train-dppo_binary_tv-0cc3d9073e",
+    "dppo_topk_tv seed 1": "stability-train-dppo_topk_tv-f97975c412",
 }
 ACC, LEN = "reward/accuracy/mean", "response/length/mean"
 LOSSES = ("dppo_binary_tv", "dppo_binary_kl", "dppo_topk_tv", "grpo", "pg_is", "cispo")
