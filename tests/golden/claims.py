@@ -208,6 +208,8 @@ def quotes(g: Golden) -> list[Quote]:
         fit = slope_ci(sorted(series), [series[s] for s in sorted(series)])
         return 100 * fit.slope, 100 * fit.ci_low, 100 * fit.ci_high
 
+    second_half = tuple(st_range(r, ACC, 51, 100) for r in ("dppo_topk_tv", "dppo_topk_tv seed 1",
+                                                             "dppo_binary_tv", "dppo_binary_tv seed 1"))
     f8 = g.one("fp8-rollout", "approximation", rollout="vllm:bf16-wfp8", scorer="hf:fp32-wfp8", reference="hf:fp32")
     rollouts = ("vllm:bf16", "vllm:fp16", "vllm:fp32")
     bb = pair("vllm:bf16", "hf:bf16")
@@ -349,20 +351,27 @@ def quotes(g: Golden) -> list[Quote]:
                f8["binary_tv_corr"], f8["topk_tv_mae"], f8["binary_tv_mae"])),
         Quote(4, "binary TV lets through {78} % of the tokens the exact TV would mask, top-K {32} %",
               (f8["binary_tv_miss"], f8["topk_tv_miss"])),
-        # -- 4 in training: studies/stability, dppo_topk_tv against dppo_binary_tv (train_metrics; growth from tokens)
-        Quote(4, "objective masked {2.7} % of tokens with A ≠ 0 (binary TV {2.0} %)",
-              (st_mean("dppo_topk_tv", "mask/nonzero_adv/frac"), st_mean("dppo_binary_tv", "mask/nonzero_adv/frac"))),
-        Quote(4, "accuracy {0.44} over steps 1–10, {0.93} over steps 31–40, a dip to {0.48} (steps 51–60), {0.73} over "
-                 "steps 91–100, where the binary-TV run ended at {0.19}",
-              (*(st_range("dppo_topk_tv", ACC, *w) for w in ((1, 10), (31, 40), (51, 60), (91, 100))),
-               st_range("dppo_binary_tv", ACC, 91, 100))),
-        Quote(4, "{22} bad-update tokens ({0.12} %) against the binary run's {35} ({0.15} %)",
-              (sum(st_metric("dppo_topk_tv", "bad_update/all/count").values()), st_mean("dppo_topk_tv", "bad_update/all/frac"),
-               sum(st_metric("dppo_binary_tv", "bad_update/all/count").values()), st_mean("dppo_binary_tv", "bad_update/all/frac"))),
-        Quote(4, "fell ({−0.023} per 100 steps, 95 % t-interval {−0.032} to {−0.015})", st_growth("dppo_topk_tv"),
-              holds=st_growth("dppo_topk_tv")[2] < 0),
-        Quote(4, "where binary TV collapsed ({0.73} vs {0.19} over the last 10 of 100 steps)",
-              (st_range("dppo_topk_tv", ACC, 91, 100), st_range("dppo_binary_tv", ACC, 91, 100))),
+        # -- 4 in training: studies/stability, dppo_topk_tv against dppo_binary_tv, seeds 0 and 1
+        Quote(4, "top-K TV objective masked {2.7} % and {3.3} % of tokens with A ≠ 0 (binary TV {2.0} % and {2.4} %)",
+              tuple(st_mean(r, "mask/nonzero_adv/frac") for r in ("dppo_topk_tv", "dppo_topk_tv seed 1",
+                                                                   "dppo_binary_tv", "dppo_binary_tv seed 1"))),
+        Quote(4, "steps 51–100: top-K {0.71} and {0.59}, binary {0.33} and {0.36}", second_half),
+        Quote(4, "(seed 0: {0.77} over steps 21–30, {0.19} over 91–100; seed 1: {0.84} over steps 21–30, {0.26} over "
+                 "61–70, {0.49} over 91–100)",
+              (st_range("dppo_binary_tv", ACC, 21, 30), st_range("dppo_binary_tv", ACC, 91, 100),
+               *(st_range("dppo_binary_tv seed 1", ACC, *w) for w in ((21, 30), (61, 70), (91, 100))))),
+        Quote(4, "top-K held in seed 0 ({0.93} over steps 31–40, {0.73} over 91–100) and fell late in seed 1 ({0.80} over "
+                 "steps 31–40, {0.36} over 91–100)",
+              tuple(st_range(r, ACC, *w) for r in ("dppo_topk_tv", "dppo_topk_tv seed 1") for w in ((31, 40), (91, 100)))),
+        Quote(4, "Bad-update tokens: {22} and {34} (top-K), {35} and {44} (binary)",
+              tuple(sum(st_metric(r, "bad_update/all/count").values())
+                    for r in ("dppo_topk_tv", "dppo_topk_tv seed 1", "dppo_binary_tv", "dppo_binary_tv seed 1"))),
+        Quote(4, "(−{0.023} and −{0.010} per 100 steps, 95 % t-intervals −{0.032} to −{0.015} and −{0.020} to −{0.001})",
+              (-st_growth("dppo_topk_tv")[0], -st_growth("dppo_topk_tv seed 1")[0], -st_growth("dppo_topk_tv")[1],
+               -st_growth("dppo_topk_tv")[2], -st_growth("dppo_topk_tv seed 1")[1], -st_growth("dppo_topk_tv seed 1")[2]),
+              holds=all(st_growth(r)[2] < 0 for r in ("dppo_topk_tv", "dppo_topk_tv seed 1"))),
+        Quote(4, "over steps 51–100 in both seeds ({0.71} and {0.59} vs {0.33} and {0.36})", second_half,
+              holds=min(second_half[:2]) > max(second_half[2:])),
         # -- 5: bad updates (dppo-sanity train_metrics, means over the 10 steps)
         Quote(5, "({2,100}–{3,300} response tokens each)", (min(tokens), max(tokens)), unit=100),
         Quote(5, "averages {0}–{0.33} % per objective (max in any step {1.6} %, dppo_binary_tv step {10})",
@@ -413,6 +422,8 @@ def quotes(g: Golden) -> list[Quote]:
               (*st_growth("pg_is"), *st_growth("dppo_binary_tv"), st_growth("pg_is fp8")[0],
                st_growth("dppo_binary_tv fp8")[0], *st_growth("pg_is tie-grid")),
               holds=all(st_growth(r)[1] < 0 for r in STABILITY_RUNS)),
+        Quote(6, "a second seed of binary TV fell too, {0.84} → {0.26}, and recovered to {0.49}",
+              tuple(st_range("dppo_binary_tv seed 1", ACC, *w) for w in ((21, 30), (61, 70), (91, 100)))),
         Quote(6, "moves log π by {0.034} nats on average, of a total mean \\|Δ log p\\| of {0.053} against the rollout",
               (st_mean("pg_is tie-grid", "mismatch/weight_rounding/abs_dlogp/mean"),
                st_mean("pg_is tie-grid", "mismatch/abs_dlogp/mean"))),
@@ -461,10 +472,14 @@ CONTEXT = [
     Context(4, "(K = {20})", "the study's top_k (study.toml)"),
     Context(4, "of tokens with A ≠ {0} (binary TV", "the advantage's sign"),
     Context(4, "In {100} training steps", "the stability study's length (study.toml)"),
-    Context(4, "accuracy 0.44 over steps {1}–{10}, 0.93 over steps {31}–{40}", "the step ranges averaged"),
-    Context(4, "(steps {51}–{60}), 0.73 over steps {91}–{100}", "the step ranges averaged"),
-    Context(4, "per {100} steps, {95} % t-interval", "the slope's unit; the interval's level"),
-    Context(4, "over the last {10} of {100} steps", "the step range averaged; the study's length"),
+    Context(4, "behind the bf16 rollout, seeds {0} and {1}, the recipe", "the seeds (the train commands)"),
+    Context(4, "Mean accuracy over steps {51}–{100}: top-K", "the step range averaged"),
+    Context(4, "(seed {0}: 0.77 over steps {21}–{30}, 0.19 over {91}–{100}; seed {1}: 0.84 over steps {21}–{30}, 0.26 "
+               "over {61}–{70}, 0.49 over {91}–{100})", "the seeds; the step ranges averaged"),
+    Context(4, "top-K held in seed {0} (0.93 over steps {31}–{40}, 0.73 over {91}–{100}) and fell late in seed {1} "
+               "(0.80 over steps {31}–{40}, 0.36 over {91}–{100})", "the seeds; the step ranges averaged"),
+    Context(4, "per {100} steps, {95} % t-intervals", "the slope's unit; the interval's level"),
+    Context(4, "higher accuracy over steps {51}–{100} in both seeds", "the step range averaged"),
     Context(4, "curves over {10} steps", "the study's steps (study.toml)"),
     Context(5, "{10} steps × {16} responses per objective", "the study's size (study.toml)"),
     Context(5, "A < {0}", "the advantage's sign"),
@@ -487,7 +502,7 @@ CONTEXT = [
     Context(6, "with A ≠ {0})", "the advantage's sign"),
     Context(6, "{95} % t-interval", "the interval's level"),
     Context(6, "to {bf16} alone", "a dtype name"),
-    Context(6, "did not collapse: claim {4})", "a claim's number"),
+    Context(6, "held longer: claim {4})", "a claim's number"),
     Context(7, "{32} prompts × {1} sample × ≤ {32} tokens", "the study's size (study.toml)"),
     Context(8, "fp{32}", "a dtype name"),
     Context(8, "of ≤ {32} tokens", "the study's max_tokens (study.toml)"),
