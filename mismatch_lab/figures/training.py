@@ -54,12 +54,13 @@ def _label_parts(row) -> dict[str, str]:
         "correction": "" if correction == "none" else f"+{correction}",
         "rollout": f"{row.engine}:{row.engine_dtype}" if row.engine_dtype else str(row.engine or ""),
         "model": Path(str(row.model or cfg.get("model") or "")).name,
+        "seed": f"seed {cfg['seed']}" if cfg.get("seed") is not None else "",
     }
 
 
 def run_labels(con: duckdb.DuckDBPyConnection, run_ids=None) -> dict[str, str]:
-    """run_id -> '<objective>[ +<correction>] · <what else differs between the runs>': a part shared by
-    every run (same rollout, same checkpoint) is left out; two runs that still read the same get their
+    """run_id -> '<objective>[ +<correction>] · <what else differs between the runs>' (rollout, checkpoint,
+    seed): a part shared by every run is left out; two runs that still read the same get their
     run id appended."""
     from mismatch_lab.analysis.relations import query
 
@@ -67,7 +68,7 @@ def run_labels(con: duckdb.DuckDBPyConnection, run_ids=None) -> dict[str, str]:
     if run_ids is not None:
         runs = runs[runs["run_id"].isin(list(run_ids))]
     parts = {r.run_id: _label_parts(r) for r in runs.itertuples(index=False)}
-    varying = [k for k in ("rollout", "model") if len({p[k] for p in parts.values()}) > 1]
+    varying = [k for k in ("rollout", "model", "seed") if len({p[k] for p in parts.values()}) > 1]
     labels = {r: " · ".join([p["objective"] + p["correction"], *(p[k] for k in varying if p[k])])
               for r, p in parts.items()}
     counts = pd.Series(list(labels.values())).value_counts()

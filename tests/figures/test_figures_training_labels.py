@@ -11,9 +11,9 @@ from mismatch_lab.store.reader import open_store
 from mismatch_lab.store.synthetic import write_store
 
 
-def _runs(rows):
+def _runs(rows, seeds=None):
     return pd.DataFrame([{"run_id": r, "kind": "train", "engine": "vllm", "engine_dtype": dt, "model": model,
-                          "config": json.dumps({"loss": loss, "correction": corr})}
+                          "config": json.dumps({"loss": loss, "correction": corr, "seed": (seeds or {}).get(r, 0)})}
                          for r, loss, corr, dt, model in rows])
 
 
@@ -38,3 +38,10 @@ def test_shared_parts_are_left_out_and_identical_labels_get_their_run_id(tmp_pat
                   ("c", "cispo", "none", "bf16", "/m/x")])
     labels = run_labels(open_store(write_store(tmp_path / "s.duckdb", {"runs": runs})))
     assert labels == {"a": "grpo (a)", "b": "grpo (b)", "c": "cispo"}
+
+
+def test_a_seed_that_differs_between_runs_is_named_instead_of_the_run_id(tmp_path):
+    runs = _runs([("a", "dppo_topk_tv", "none", "bf16", "/m/x"), ("b", "dppo_topk_tv", "none", "bf16", "/m/x"),
+                  ("c", "pg_is", "none", "bf16", "/m/x")], seeds={"b": 1})
+    labels = run_labels(open_store(write_store(tmp_path / "s.duckdb", {"runs": runs})))
+    assert labels == {"a": "dppo_topk_tv · seed 0", "b": "dppo_topk_tv · seed 1", "c": "pg_is · seed 0"}
