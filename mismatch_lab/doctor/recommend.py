@@ -92,38 +92,37 @@ def trust_region(m: Measurements) -> list[dict]:
     w, z = 100 * r["frac_ratio_outside_clip"], 100 * r["frac_tv_mask"]
     because = (f"{r['rollout']}/{r['scorer']}: PPO's ratio clip (r outside [{d.CLIP_LOW:g}, {d.CLIP_HIGH:g}]) touches "
                f"{w:.3g} % of tokens before any update, DPPO's binary-TV mask (|π − μ| > {d.DELTA_TV:g}) {z:.3g} %")
-    estimator = "top-K TV" if _topk_catches_more(m) else "binary TV"
+    estimator = "top-K TV" if _topk_catches_more(_most_missed(m)) else "binary TV"
     return [_advice("trust_region", f"bound the trust region (DPPO {estimator}), not the ratio clip", because,
                     clip_pct=w, tv_mask_pct=z)]
 
 
-def _over_delta(m: Measurements) -> pd.DataFrame:
-    """Approximation rows where some token's exact TV exceeds δ_TV and binary TV misses some of them,
-    the most missed first."""
+def _most_missed(m: Measurements) -> pd.Series | None:
+    """The approximation row where some token's exact TV exceeds δ_TV and binary TV misses the largest share
+    of those tokens (None where no row has such a miss)."""
     a = m.get("approximation")
     if a.empty:
-        return a
+        return None
     a = a[(a["frac_exact_gt_delta"] > 0) & (a["binary_tv_miss"] > 0)]
-    return a.sort_values(["binary_tv_miss", "rollout", "scorer"], ascending=[False, True, True])
+    a = a.sort_values(["binary_tv_miss", "rollout", "scorer"], ascending=[False, True, True])
+    return None if a.empty else a.iloc[0]
 
 
-def _topk_catches_more(m: Measurements) -> bool:
-    """Whether, on the approximation row where binary TV misses most, top-K TV misses fewer tokens."""
-    a = _over_delta(m)
-    return not a.empty and bool(a.iloc[0]["topk_tv_miss"] < a.iloc[0]["binary_tv_miss"])  # NaN: False
+def _topk_catches_more(r: pd.Series | None) -> bool:
+    """Whether top-K TV misses fewer over-δ tokens than binary TV on row `r` of _most_missed."""
+    return r is not None and bool(r["topk_tv_miss"] < r["binary_tv_miss"])  # NaN (not recorded): False
 
 
 def tv_estimator(m: Measurements) -> list[dict]:
     """Binary TV is a lower bound of the exact TV (so is top-K TV, a finer one): where tokens cross δ_TV
     it lets some through that the exact TV would mask. Advice only from stored exact TV."""
-    a = _over_delta(m)
-    if a.empty:
+    r = _most_missed(m)
+    if r is None:
         return []
-    r = a.iloc[0]
     x = 100 * r["binary_tv_miss"]
     where = (f"{r['scorer']} vs {r['reference']} on {r['rollout']}'s tokens: {100 * r['frac_exact_gt_delta']:.3g} % "
              f"of {int(r['n_exact']):,} have an exact TV above δ_TV = {r['delta_tv']:g}; binary TV misses {x:.3g} % of them")
-    if _topk_catches_more(m):
+    if _topk_catches_more(r):
         y = 100 * r["topk_tv_miss"]
         return [_advice("tv_estimator", "mask with top-K TV (DPPO top-K), not binary TV",
                         f"{where}, top-K TV {y:.3g} %", binary_miss_pct=x, topk_miss_pct=y)]
