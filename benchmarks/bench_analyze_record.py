@@ -15,7 +15,10 @@ the store:
   * analyze    run_all (every analysis, the per-step series included) + the JSON `analyze --json` writes;
   * one pass   one GROUP BY (rollout, scorer, step) over tokens JOIN scores JOIN sequences computing the
                token means the per-step series reports (mean |dp|, |dlogp|, k3, clipped share): the floor
-               for reading every token once.
+               for reading every token once;
+  * noquant    (only with --floor) a diagnostic, not a mode of analyze: analyze with the per-bucket
+               quantile pass replaced by an empty table (every quantile NaN), i.e. what analyze would
+               cost with quantiles for free: a floor for any quantile method on this layout.
 Targets (issue): 100 M tokens under 5 minutes and 8 GiB on 2 cores, memory not growing with the token
 count; 10 M tokens within 2x of the one-pass aggregate. The CPU model and load are printed.
 """
@@ -85,14 +88,16 @@ def measure(store: str, what: str) -> dict:
     t0 = time.perf_counter()
     from mismatch_lab.store.reader import open_store
 
-    if what == "analyze":  # imported before the clock starts: pandas and the analyses, a fixed cost
+    if what != "onepass":  # imported before the clock starts: pandas and the analyses, a fixed cost
         from mismatch_lab.analysis import run_all
         from mismatch_lab.analysis.command import to_json
+    if what == "noquant":
+        free_quantiles()
     imports = time.perf_counter() - t0
 
     t0, c0 = time.perf_counter(), cpu_seconds()
     con = open_store(store)
-    if what == "analyze":
+    if what != "onepass":
         steps = {}
         tables = run_all(con, progress=lambda name, s: steps.__setitem__(name, round(s, 1)))
         json.dumps(to_json(tables), allow_nan=False)
@@ -104,6 +109,21 @@ def measure(store: str, what: str) -> dict:
     con.close()
     return {"seconds": seconds, "cpu_s": cpu, "import_s": imports,
             "peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, **extra}
+
+
+def free_quantiles() -> None:
+    """Replace Rows.quantiles by an empty table of its columns (the --floor diagnostic)."""
+    import pandas as pd
+
+    from mismatch_lab.analysis import rows, volatility
+
+    names = [c for c in volatility.STAT_COLUMNS if "_p" in c]
+
+    def empty(self, scale, n_buckets):
+        keys = {"rollout": object, "scorer": object, "bucket": "int64"}
+        return pd.DataFrame({c: pd.Series(dtype=t) for c, t in (keys | dict.fromkeys(names, float)).items()})
+
+    rows.Rows.quantiles = empty
 
 
 def run_child(store: Path, what: str) -> dict:
@@ -119,7 +139,9 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=10_000_000)
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--skip", nargs="*", default=[], choices=["analyze", "onepass"])
-    ap.add_argument("--child", choices=["analyze", "onepass"], help=argparse.SUPPRESS)
+    ap.add_argument("--floor", action="store_true",
+                    help="also run analyze with the quantile pass replaced by an empty table (a diagnostic)")
+    ap.add_argument("--child", choices=["analyze", "onepass", "noquant"], help=argparse.SUPPRESS)
     ap.add_argument("--store", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -136,7 +158,7 @@ def main() -> int:
     print(f"store: {n:,} tokens, {size:.2f} GiB of Parquet; CPU: {cpu_model()}")
     for i in range(args.repeat):
         res = {}
-        for what in ("onepass", "analyze"):
+        for what in ("onepass", "analyze", *(["noquant"] if args.floor else [])):
             if what in args.skip:
                 continue
             load = os.getloadavg()[0]
@@ -144,9 +166,10 @@ def main() -> int:
             r = res[what]
             print(f"  [{i + 1}] {what:<8} {r['seconds']:7.2f} s  ({r['cpu_s']:.2f} s CPU)  peak RSS {r['peak_gib']:.2f} GiB  "
                   f"(imports before the clock {r['import_s']:.2f} s; load before {load:.1f}) {r.get('phases', '')}", flush=True)
-        if len(res) == 2:
-            wall, cpu = (res["analyze"][k] / res["onepass"][k] for k in ("seconds", "cpu_s"))
-            print(f"  [{i + 1}] analyze / one pass = {wall:.2f}x wall ({cpu:.2f}x CPU time)")
+        for what in ("analyze", "noquant"):
+            if what in res and "onepass" in res:
+                wall, cpu = (res[what][k] / res["onepass"][k] for k in ("seconds", "cpu_s"))
+                print(f"  [{i + 1}] {what} / one pass = {wall:.2f}x wall ({cpu:.2f}x CPU time)")
     return 0
 
 
