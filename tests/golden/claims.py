@@ -159,6 +159,7 @@ STABILITY_RUNS = {
     "dppo_topk_tv": "stability-train-dppo_topk_tv-6b712c8cc2",
     "dppo_binary_tv seed 1": "stability-train-dppo_binary_tv-0cc3d9073e",
     "dppo_topk_tv seed 1": "stability-train-dppo_topk_tv-f97975c412",
+    "pg_is seed 1": "stability-train-pg_is-478b332efc",
 }
 ACC, LEN = "reward/accuracy/mean", "response/length/mean"
 LOSSES = ("dppo_binary_tv", "dppo_binary_kl", "dppo_topk_tv", "grpo", "pg_is", "cispo")
@@ -379,7 +380,7 @@ def quotes(g: Golden) -> list[Quote]:
         Quote(5, "{0}–{7} such tokens per objective", (min(bad_count.values()), max(bad_count.values()))),
         Quote(5, "dppo_binary_kl had none, dppo_binary_tv the most ({7})", (bad_count["dppo_binary_tv"],),
               holds=bad_count["dppo_binary_kl"] == 0 and bad_count["dppo_binary_tv"] == max(bad_count.values())),
-        Quote(5, "small share confirmed (mean ≤ {0.33} %)", (max(bad_mean.values()),)),
+        Quote(5, "small share confirmed in 10 steps (mean ≤ {0.33} %)", (max(bad_mean.values()),)),
         # -- 6: stability (dppo-sanity train_metrics)
         *[Quote(6, f"{text} {{{a}}} → {{{b}}}", acc[loss])
           for loss, text, a, b in (("dppo_binary_tv", "dppo_binary_tv", "0.51", "0.66"),
@@ -403,6 +404,24 @@ def quotes(g: Golden) -> list[Quote]:
                  for r in ("pg_is", "dppo_binary_tv", "pg_is fp8", "dppo_binary_tv fp8"))),
               holds=all(sum(st_metric(f"dppo_binary_tv{x}", "bad_update/all/count").values())
                         < sum(st_metric(f"pg_is{x}", "bad_update/all/count").values()) for x in ("", " fp8"))),
+        Quote(5, "With seed 1 behind the bf16 rollout: {0.42} % (pg_is, the highest of the study, while its responses "
+                 "averaged {128} tokens, the cap, over steps 61–100) vs {0.25} % (dppo_binary_tv), {192} vs {44} such tokens",
+              (st_mean("pg_is seed 1", "bad_update/all/frac"), st_range("pg_is seed 1", LEN, 61, 100),
+               st_mean("dppo_binary_tv seed 1", "bad_update/all/frac"),
+               *(sum(st_metric(r, "bad_update/all/count").values()) for r in ("pg_is seed 1", "dppo_binary_tv seed 1"))),
+              holds=st_mean("pg_is seed 1", "bad_update/all/frac")
+              == max(st_mean(r, "bad_update/all/frac") for r in STABILITY_RUNS)),
+        Quote(5, "over 100 steps (≤ {0.42} %)", (max(st_mean(r, "bad_update/all/frac") for r in STABILITY_RUNS),)),
+        Quote(6, "A second seed of PG-IS behind the bf16 rollout collapsed: {0.84} over steps 11–20, then {0.03} over steps "
+                 "61–100, its responses running from {29} tokens (steps 1–10) to the 128-token cap (mean {128} over "
+                 "steps 61–100) with entropy {0.16} → {0.52} nats (steps 21–30 → 91–100); its per-step mean \\|π − μ\\| rose from "
+                 "{0.039} (steps 1–10) to {0.087} (steps 31–40) while it still scored {0.70}, and fell during the collapse "
+                 "({−0.015} per 100 steps, {−0.027} to {−0.002})",
+              (st_range("pg_is seed 1", ACC, 11, 20), st_range("pg_is seed 1", ACC, 61, 100),
+               st_range("pg_is seed 1", LEN, 1, 10), st_range("pg_is seed 1", LEN, 61, 100),
+               st_range("pg_is seed 1", "entropy/mean", 21, 30), st_range("pg_is seed 1", "entropy/mean", 91, 100),
+               st_range("pg_is seed 1", "mismatch/abs_dp/mean", 1, 10), st_range("pg_is seed 1", "mismatch/abs_dp/mean", 31, 40),
+               st_range("pg_is seed 1", ACC, 31, 40), *st_growth("pg_is seed 1"))),
         Quote(6, "PG-IS went {0.50} → {0.58}, after a trough of {0.24} over steps 31–50 while its responses grew from {36} to "
                  "{87} tokens",
               (st_range("pg_is", ACC, 1, 10), st_range("pg_is", ACC, 91, 100), st_range("pg_is", ACC, 31, 50),
@@ -422,8 +441,11 @@ def quotes(g: Golden) -> list[Quote]:
               (*st_growth("pg_is"), *st_growth("dppo_binary_tv"), st_growth("pg_is fp8")[0],
                st_growth("dppo_binary_tv fp8")[0], *st_growth("pg_is tie-grid")),
               holds=all(st_growth(r)[1] < 0 for r in STABILITY_RUNS)),
-        Quote(6, "a second seed of binary TV fell too, {0.84} → {0.26}, and recovered to {0.49}",
-              tuple(st_range("dppo_binary_tv seed 1", ACC, *w) for w in ((21, 30), (61, 70), (91, 100)))),
+        Quote(6, "DPPO with binary TV collapsed in seed 0 ({0.77} → {0.19}) and fell in seed 1 ({0.84} → {0.26}, "
+                 "recovering to {0.49}), PG-IS recovered in seed 0 and collapsed in seed 1 ({0.84} → {0.03}",
+              (*(st_range("dppo_binary_tv", ACC, *w) for w in ((21, 30), (91, 100))),
+               *(st_range("dppo_binary_tv seed 1", ACC, *w) for w in ((21, 30), (61, 70), (91, 100))),
+               *(st_range("pg_is seed 1", ACC, *w) for w in ((11, 20), (61, 100))))),
         Quote(6, "moves log π by {0.034} nats on average, of a total mean \\|Δ log p\\| of {0.053} against the rollout",
               (st_mean("pg_is tie-grid", "mismatch/weight_rounding/abs_dlogp/mean"),
                st_mean("pg_is tie-grid", "mismatch/abs_dlogp/mean"))),
@@ -491,8 +513,23 @@ CONTEXT = [
     Context(6, "A ≠ {0}", "the advantage's sign"),
     Context(6, "in {10} steps", "the study's steps"),
     Context(5, "Over {100} steps of responses up to {128} tokens", "the stability study's steps and max_tokens"),
-    Context(5, "fewer with DPPO in the {100}-step runs", "the stability study's steps"),
-    Context(6, "(one seed, {100} steps × {16} responses of up to {128} tokens", "the stability study's size (study.toml)"),
+    Context(5, "(stability, seed {0})", "the seed (the train command)"),
+    Context(5, "With seed {1} behind", "the seed (the train command)"),
+    Context(5, "over steps {61}–{100}) vs", "the step range averaged"),
+    Context(5, "confirmed in {10} steps", "the dppo-sanity study's steps"),
+    Context(5, "and over {100} steps (≤", "the stability study's steps"),
+    Context(5, "fewer with DPPO in every {100}-step pair", "the stability study's steps"),
+    Context(6, "(seed {0} unless stated, {100} steps × {16} responses of up to {128} tokens",
+            "the stability study's seed and size (study.toml)"),
+    Context(6, "collapsed: 0.84 over steps {11}–{20}, then 0.03 over steps {61}–{100}, its responses running from 29 "
+               "tokens (steps {1}–{10}) to the {128}-token cap (mean 128 over steps {61}–{100}) with entropy 0.16 → 0.52 "
+               "nats (steps {21}–{30} → {91}–{100})", "the step ranges averaged; max_tokens (study.toml)"),
+    Context(6, "rose from 0.039 (steps {1}–{10}) to 0.087 (steps {31}–{40})", "the step ranges averaged"),
+    Context(6, "(−0.015 per {100} steps", "the slope's unit"),
+    Context(6, "collapsed in seed {0} (0.77", "the seed"),
+    Context(6, "fell in seed {1} (0.84", "the seed"),
+    Context(6, "PG-IS recovered in seed {0} and collapsed in seed {1}", "the seeds"),
+    Context(6, "grew over its {100} steps (PG-IS seed {1}'s peaked", "the study's steps; the seed"),
     Context(6, "over steps {1}–{10} → {91}–{100}", "the step ranges averaged"),
     Context(6, "over steps {31}–{50}", "the step range averaged"),
     Context(6, "(means of steps {1}–{10} and {41}–{50})", "the step ranges averaged"),
@@ -502,7 +539,7 @@ CONTEXT = [
     Context(6, "with A ≠ {0})", "the advantage's sign"),
     Context(6, "{95} % t-interval", "the interval's level"),
     Context(6, "to {bf16} alone", "a dtype name"),
-    Context(6, "held longer: claim {4})", "a claim's number"),
+    Context(6, "held longer (claim {4})", "a claim's number"),
     Context(7, "{32} prompts × {1} sample × ≤ {32} tokens", "the study's size (study.toml)"),
     Context(8, "fp{32}", "a dtype name"),
     Context(8, "of ≤ {32} tokens", "the study's max_tokens (study.toml)"),
