@@ -160,6 +160,7 @@ STABILITY_RUNS = {
     "dppo_binary_tv seed 1": "stability-train-dppo_binary_tv-0cc3d9073e",
     "dppo_topk_tv seed 1": "stability-train-dppo_topk_tv-f97975c412",
     "pg_is seed 1": "stability-train-pg_is-478b332efc",
+    "pg_is fp8 seed 1": "stability-train-pg_is-07a55b501f",
 }
 ACC, LEN = "reward/accuracy/mean", "response/length/mean"
 LOSSES = ("dppo_binary_tv", "dppo_binary_kl", "dppo_topk_tv", "grpo", "pg_is", "cispo")
@@ -435,6 +436,13 @@ def quotes(g: Golden) -> list[Quote]:
                st_range("dppo_binary_tv", "mask/nonzero_adv/frac", 61, 70))),
         Quote(6, "both learned (PG-IS {0.34} → {0.65}, DPPO {0.24} → {0.83})",
               tuple(st_range(r, ACC, *w) for r in ("pg_is fp8", "dppo_binary_tv fp8") for w in ((1, 10), (91, 100)))),
+        Quote(6, "a second PG-IS seed there learned too ({0.38} → {0.48}, {0.72} over steps 51–60; mean \\|π − μ\\| "
+                 "{−0.028} per 100 steps, {−0.032} to {−0.023})",
+              (*(st_range("pg_is fp8 seed 1", ACC, *w) for w in ((1, 10), (91, 100), (51, 60))),
+               *st_growth("pg_is fp8 seed 1"))),
+        Quote(5, "(a second PG-IS seed behind the fp8-weights rollout: {0.32} %, {97} tokens;",
+              (st_mean("pg_is fp8 seed 1", "bad_update/all/frac"),
+               sum(st_metric("pg_is fp8 seed 1", "bad_update/all/count").values()))),
         Quote(6, "grew significantly in no run (per 100 steps: PG-IS {−0.033}, 95 % t-interval {−0.041} to {−0.024}; DPPO "
                  "{+0.009}, {−0.006} to {+0.024}; the fp8-weights runs {−0.023} and {−0.035}; PG-IS from the tie-grid "
                  "checkpoint {+0.003}, {−0.002} to {+0.008})",
@@ -526,6 +534,7 @@ CONTEXT = [
                "nats (steps {21}–{30} → {91}–{100})", "the step ranges averaged; max_tokens (study.toml)"),
     Context(6, "rose from 0.039 (steps {1}–{10}) to 0.087 (steps {31}–{40})", "the step ranges averaged"),
     Context(6, "(−0.015 per {100} steps", "the slope's unit"),
+    Context(6, "over steps {51}–{60}; mean \\|π − μ\\| −0.028 per {100} steps", "the step range averaged; the slope's unit"),
     Context(6, "collapsed in seed {0} (0.77", "the seed"),
     Context(6, "fell in seed {1} (0.84", "the seed"),
     Context(6, "PG-IS recovered in seed {0} and collapsed in seed {1}", "the seeds"),
