@@ -149,7 +149,7 @@ class Golden:
         return out
 
 
-# studies/stability: its eight commands' run ids (TrainConfig.run_id() of each command of its study.toml)
+# studies/stability: its ten commands' run ids (TrainConfig.run_id() of each command of its study.toml)
 STABILITY_RUNS = {
     "pg_is": "stability-train-pg_is-ac1d09b65f",
     "dppo_binary_tv": "stability-train-dppo_binary_tv-18403fe7c6",
@@ -212,6 +212,9 @@ def quotes(g: Golden) -> list[Quote]:
 
     second_half = tuple(st_range(r, ACC, 51, 100) for r in ("dppo_topk_tv", "dppo_topk_tv seed 1",
                                                              "dppo_binary_tv", "dppo_binary_tv seed 1"))
+    # binary-TV DPPO behind the bf16 rollout: seed 0 peak and end, seed 1 peak, low and end (claims 4 and 6)
+    binary_fall = (st_range("dppo_binary_tv", ACC, 21, 30), st_range("dppo_binary_tv", ACC, 91, 100),
+                   *(st_range("dppo_binary_tv seed 1", ACC, *w) for w in ((21, 30), (61, 70), (91, 100))))
     f8 = g.one("fp8-rollout", "approximation", rollout="vllm:bf16-wfp8", scorer="hf:fp32-wfp8", reference="hf:fp32")
     rollouts = ("vllm:bf16", "vllm:fp16", "vllm:fp32")
     bb = pair("vllm:bf16", "hf:bf16")
@@ -359,9 +362,7 @@ def quotes(g: Golden) -> list[Quote]:
                                                                    "dppo_binary_tv", "dppo_binary_tv seed 1"))),
         Quote(4, "steps 51–100: top-K {0.71} and {0.59}, binary {0.33} and {0.36}", second_half),
         Quote(4, "(seed 0: {0.77} over steps 21–30, {0.19} over 91–100; seed 1: {0.84} over steps 21–30, {0.26} over "
-                 "61–70, {0.49} over 91–100)",
-              (st_range("dppo_binary_tv", ACC, 21, 30), st_range("dppo_binary_tv", ACC, 91, 100),
-               *(st_range("dppo_binary_tv seed 1", ACC, *w) for w in ((21, 30), (61, 70), (91, 100))))),
+                 "61–70, {0.49} over 91–100)", binary_fall),
         Quote(4, "top-K held in seed 0 ({0.93} over steps 31–40, {0.73} over 91–100) and fell late in seed 1 ({0.80} over "
                  "steps 31–40, {0.36} over 91–100)",
               tuple(st_range(r, ACC, *w) for r in ("dppo_topk_tv", "dppo_topk_tv seed 1") for w in ((31, 40), (91, 100)))),
@@ -451,9 +452,7 @@ def quotes(g: Golden) -> list[Quote]:
               holds=all(st_growth(r)[1] < 0 for r in STABILITY_RUNS)),
         Quote(6, "DPPO with binary TV collapsed in seed 0 ({0.77} → {0.19}) and fell in seed 1 ({0.84} → {0.26}, "
                  "recovering to {0.49}), PG-IS recovered in seed 0 and collapsed in seed 1 ({0.84} → {0.03}",
-              (*(st_range("dppo_binary_tv", ACC, *w) for w in ((21, 30), (91, 100))),
-               *(st_range("dppo_binary_tv seed 1", ACC, *w) for w in ((21, 30), (61, 70), (91, 100))),
-               *(st_range("pg_is seed 1", ACC, *w) for w in ((11, 20), (61, 100))))),
+              (*binary_fall, *(st_range("pg_is seed 1", ACC, *w) for w in ((11, 20), (61, 100))))),
         Quote(6, "moves log π by {0.034} nats on average, of a total mean \\|Δ log p\\| of {0.053} against the rollout",
               (st_mean("pg_is tie-grid", "mismatch/weight_rounding/abs_dlogp/mean"),
                st_mean("pg_is tie-grid", "mismatch/abs_dlogp/mean"))),
