@@ -115,9 +115,9 @@ def free_quantiles() -> None:
     """Replace Rows.quantiles by an empty table of its columns (the --floor diagnostic)."""
     import pandas as pd
 
-    from mismatch_lab.analysis import rows, volatility
+    from mismatch_lab.analysis import rows
 
-    names = [c for c in volatility.STAT_COLUMNS if "_p" in c]
+    names = rows.QUANTILE_COLUMNS
 
     def empty(self, scale, n_buckets):
         keys = {"rollout": object, "scorer": object, "bucket": "int64"}

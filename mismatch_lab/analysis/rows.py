@@ -119,6 +119,10 @@ def rollup(grid: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
 DEFAULT_BUCKETS = (("linear", d.N_LINEAR_BUCKETS), ("log", d.N_LOG_BUCKETS))
 """The mu buckets (scale, count) every analysis of run_all reads: a materialised row set stores them."""
 
+R_QUANTILE_COLUMNS = [f"r_p{round(q * 100):02d}" for q in d.RATIO_QUANTILES]  # r_p01 r_p05 r_p50 r_p95 r_p99
+QUANTILE_COLUMNS = [*R_QUANTILE_COLUMNS, "binary_tv_p99", "topk_tv_p99", "tv_exact_vs_ref_p99"]
+"""The statistics of Rows.quantiles (besides its keys rollout, scorer, bucket)."""
+
 QUANTILE_BYTES_TOGETHER = 600 * 2**20
 """Exact quantiles keep every value of a group until it is done (8 bytes each): below this many bytes for
 all of them the quantile aggregates share one pass, above it they run one per pass (bounded memory)."""
@@ -341,7 +345,6 @@ class Rows:
         column (per scale) in memory until its groups are done: on large row sets each aggregate and scale
         runs in a pass of its own, which bounds the peak (10^8 tokens: ~0.8 GB, not ~3.2 GB); on small
         ones they share one pass (QUANTILE_BYTES_TOGETHER)."""
-        names = [f"r_p{round(q * 100):02d}" for q in d.RATIO_QUANTILES]
         ok = "finite AND isfinite(tv_exact)"
         aggregates = {
             "r_q": f"quantile_cont(r, {list(d.RATIO_QUANTILES)})",
@@ -365,10 +368,10 @@ class Rows:
             for name in aggregates.keys() - live.keys():
                 q[name] = np.nan
             qs = q.pop("r_q")
-            for i, col_name in enumerate(names):
+            for i, col_name in enumerate(R_QUANTILE_COLUMNS):
                 q[col_name] = np.array([np.nan if not isinstance(v, (list, np.ndarray)) or v[i] is None else v[i]
                                         for v in qs], dtype=np.float64)
-            frames.append(q[[*keys, *names, "binary_tv_p99", "topk_tv_p99", "tv_exact_vs_ref_p99"]])
+            frames.append(q[[*keys, *QUANTILE_COLUMNS]])
         return frames
 
     def _quantile_pass(self, scales: list[tuple[str, int]], aggregates: dict[str, str]) -> list[pd.DataFrame]:

@@ -14,11 +14,10 @@ import pandas as pd
 
 from mismatch_lab.analysis import definitions as d
 from mismatch_lab.analysis.relations import Filters, empty
-from mismatch_lab.analysis.rows import Rows, Thresholds, rollup
+from mismatch_lab.analysis.rows import R_QUANTILE_COLUMNS, Rows, Thresholds, rollup
 
-Q_NAMES = [f"r_p{round(q * 100):02d}" for q in d.RATIO_QUANTILES]  # r_p01 r_p05 r_p50 r_p95 r_p99
 STAT_COLUMNS = [
-    "n_tokens", "n_nonfinite", "mu_mean", "r_mean", "r_std", *Q_NAMES, "frac_r_outside_eps",
+    "n_tokens", "n_nonfinite", "mu_mean", "r_mean", "r_std", *R_QUANTILE_COLUMNS, "frac_r_outside_eps",
     "binary_tv_mean", "binary_tv_p99", "n_topk", "topk_tv_mean", "topk_tv_p99",
     "n_exact", "tv_exact_vs_ref_mean", "tv_exact_vs_ref_p99",
 ]  # fmt: skip

@@ -14,6 +14,7 @@ import sys
 import time
 from dataclasses import fields
 
+from mismatch_lab.engines.weights import weights_label
 from mismatch_lab.rl.loop import TrainConfig, coerce
 from mismatch_lab.studyfile import apply_study
 
@@ -130,7 +131,8 @@ def run(args) -> int:
         if pbar is not None:
             pbar.close()
     method = cfg.loss if cfg.correction == "none" else f"{cfg.loss} + {cfg.correction}"
-    print(f"\nrun {run_id} ({method}, {cfg.rollout_dtype} rollout / {cfg.trainer_dtype} trainer) -> {cfg.db}")
+    rollout = weights_label(cfg.rollout_dtype, cfg.rollout_weights)  # 'bf16-wfp8' behind fp8-rounded weights
+    print(f"\nrun {run_id} ({method}, {rollout} rollout / {cfg.trainer_dtype} trainer) -> {cfg.db}")
     if history:
         first, last = history[0][1], history[-1][1]
         print(f"steps {history[0][0]}..{history[-1][0]} this invocation, {time.perf_counter() - t_start:.0f} s")
