@@ -110,17 +110,17 @@ def steps(m: Measurements) -> pd.DataFrame:
 
 def batch(m: Measurements) -> pd.DataFrame:
     """Generation-batch invariance where the store measured it (module doc), with figure 7's SQL."""
-    from mismatch_lab.figures.figures import (
+    from mismatch_lab.figures.batch import (
         DEFAULT_SCORER_SETTING,
-        _batch_settings,
-        _rollout_batch_rows,
+        batch_settings,
+        rollout_batch_rows,
     )
 
     runs = query(m.con, f"SELECT run_id, {d.ROLLOUT_LABEL_SQL} AS rollout, config FROM runs "
                         "WHERE kind = 'collect' ORDER BY run_id")
     if runs.empty:
         return pd.DataFrame()
-    parsed = [_batch_settings(c) for c in runs["config"]]
+    parsed = [batch_settings(c) for c in runs["config"]]
     runs["batch"] = [b for b, _ in parsed]
     runs["default_setting"] = [s == DEFAULT_SCORER_SETTING for _, s in parsed]  # as figure 7: default scoring first
     runs = runs[runs["batch"].notna()].sort_values(["default_setting", "run_id"], ascending=[False, True])
@@ -128,7 +128,7 @@ def batch(m: Measurements) -> pd.DataFrame:
     groups = {r: g for r, g in per_batch.groupby("rollout") if g["batch"].nunique() > 1}
     if not groups:
         return pd.DataFrame()
-    res = _rollout_batch_rows(m.con, groups)
+    res = rollout_batch_rows(m.con, groups)
     return res.assign(frac_differ=1.0 - res["frac_identical"]) if not res.empty else res
 
 

@@ -55,7 +55,8 @@ def draw_study(study: str | Path, out: str | Path | None = None, *, only=None, f
                log=print) -> dict[str, list[Path]]:
     """Draw every figure (or `only` those numbers) of one study; returns stem -> written files. Figures
     whose data is absent are skipped with a note through `log`."""
-    from mismatch_lab.figures.figures import FIGURES, Skip, study_rows
+    from mismatch_lab.figures.base import Skip, study_rows
+    from mismatch_lab.figures.figures import FIGURES
     from mismatch_lab.store.reader import open_store
 
     study = Path(study)

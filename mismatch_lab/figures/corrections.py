@@ -30,13 +30,13 @@ def fig8_corrections(con: duckdb.DuckDBPyConnection, rows=None) -> list[tuple[st
     `rows` (figures 1-5's row set) is not used: the comparison reads the store in chunks of its own."""
     from mismatch_lab.corrections.compare import compare
     from mismatch_lab.corrections.layout import pair_info
-    from mismatch_lab.figures.figures import (
+    from mismatch_lab.figures.base import (
         Skip,
-        _fig,
-        _finish,
-        _one_per_rollout,
-        _pair_label,
-        _sorted_pairs,
+        finish,
+        one_per_rollout,
+        pair_label,
+        panel_figure,
+        sorted_pairs,
     )
 
     if pair_info(con).empty:  # (compare() itself fails on a store without any pair)
@@ -45,11 +45,11 @@ def fig8_corrections(con: duckdb.DuckDBPyConnection, rows=None) -> list[tuple[st
     counted = main[main["n_tokens"].fillna(0) > 0]  # rows without numbers: a top-K rule on a pair without top-K
     if counted.empty:
         raise Skip("no (rollout, scorer) pair with finite scored tokens in this store")
-    pairs = _one_per_rollout(_sorted_pairs(counted), prefer="same")
+    pairs = one_per_rollout(sorted_pairs(counted), prefer="same")
     methods = list(dict.fromkeys(main["method"]))
     n_obj = int(main.drop_duplicates("method")["axis"].eq("objective").sum())
     h = 0.16 * len(methods) + 0.4
-    fig, axes = _fig(len(pairs), 2, w=3.6, h=h, left=1.35, wgap=0.35, hgap=0.9, top=0.75, bottom=0.55,
+    fig, axes = panel_figure(len(pairs), 2, w=3.6, h=h, left=1.35, wgap=0.35, hgap=0.9, top=0.75, bottom=0.55,
                      width_ratios=[3, 1], sharey=True)  # fmt: skip
     y = np.arange(len(methods))[::-1].astype(float)
     bar_h = 0.8 / len(SHARES)
@@ -68,7 +68,7 @@ def fig8_corrections(con: duckdb.DuckDBPyConnection, rows=None) -> list[tuple[st
         ax.set_xticks([0, 0.1, 1, 10, 100], ["0", "0.1", "1", "10", "100"])
         ax.set_xlabel("share of the pair's tokens / sequences (%)", fontsize=8)
         ax.set_ylabel("method (objective / correction)", fontsize=8)
-        ax.set_title(f"{_pair_label(rollout, scorer)}: dropped and reweighted", fontsize=9, pad=15)
+        ax.set_title(f"{pair_label(rollout, scorer)}: dropped and reweighted", fontsize=9, pad=15)
         ess = g["ess"].to_numpy(dtype=float)
         ok = np.isfinite(ess)
         ax_ess.plot(ess[ok], y[ok], "D", color="k", ms=3.2, ls="none", label="ESS")
@@ -100,5 +100,5 @@ def fig8_corrections(con: duckdb.DuckDBPyConnection, rows=None) -> list[tuple[st
         "prompt group's mean, else fire for either sign (two-sided). Published defaults: " + params
         + ". Top-K rules are not computed where the pair lacks top-K lists (`mismatch-lab corrections` has every pair)."
     )
-    return [("fig8_corrections", _finish(fig, "What each correction method does to the same tokens", caption))]
+    return [("fig8_corrections", finish(fig, "What each correction method does to the same tokens", caption))]
 

@@ -82,7 +82,7 @@ def fig6_training(con: duckdb.DuckDBPyConnection, rows=None) -> list[tuple[str, 
     training run (run_labels), panels: accuracy, mismatch, masked share, bad-update share, entropy."""
     from mismatch_lab.analysis.relations import query
     from mismatch_lab.analysis.violations import train_series
-    from mismatch_lab.figures.figures import Skip, _finish, _grid
+    from mismatch_lab.figures.base import Skip, finish, panel_grid
 
     runs = query(con, "SELECT run_id FROM runs WHERE kind = 'train' ORDER BY run_id")
     series = train_series(con, list(runs["run_id"])) if not runs.empty else pd.DataFrame()
@@ -100,7 +100,7 @@ def fig6_training(con: duckdb.DuckDBPyConnection, rows=None) -> list[tuple[str, 
     if not panels:
         raise Skip("the training runs log none of the metrics figure 6 plots")
     ncols = 2
-    fig, axes = _grid(len(panels), ncols=ncols, w=4.2, h=2.8, left=0.9)
+    fig, axes = panel_grid(len(panels), ncols=ncols, w=4.2, h=2.8, left=0.9)
     cmap = matplotlib.colormaps["tab10"]
     color = {r: cmap(i % 10) for i, r in enumerate(sorted(label))}
     n_steps = series.groupby("run_id")["step"].nunique()
@@ -132,7 +132,7 @@ def fig6_training(con: duckdb.DuckDBPyConnection, rows=None) -> list[tuple[str, 
         + (f" Runs of more than {SMOOTH_ABOVE_STEPS} steps: thin lines are the per-step values, thick lines their "
            f"trailing mean over {SMOOTH_STEPS} steps." if smooth else "")
     )
-    return [("fig6_training_curves", _finish(fig, "Training curves per run (DPPO Figs. 3 and 5 analogue)", caption))]
+    return [("fig6_training_curves", finish(fig, "Training curves per run (DPPO Figs. 3 and 5 analogue)", caption))]
 
 
 SMOOTH_ABOVE_STEPS, SMOOTH_STEPS = 40, 5
@@ -140,7 +140,7 @@ SMOOTH_ABOVE_STEPS, SMOOTH_STEPS = 40, 5
 
 
 def _legends(fig: Figure, axes: list, ncols: int) -> None:
-    """One legend in the first empty cell of the grid (`_grid` with `ncols` columns; right of the last panel)
+    """One legend in the first empty cell of the grid (`panel_grid` with `ncols` columns; right of the last panel)
     where there is one, else one per panel."""
     handles, names = axes[0].get_legend_handles_labels()
     empty = len(axes) % ncols  # the column of the first empty cell in the last row
@@ -167,7 +167,7 @@ def fig9_steps(con: duckdb.DuckDBPyConnection, rows=None) -> list[tuple[str, Fig
     growth: the per-step slope and its 95 % t-interval (`steps.growth`). `rows` (figures 1-5's row set) is
     not used: train runs are not in it, and collect runs have no steps."""
     from mismatch_lab.analysis.steps import growth, step_series
-    from mismatch_lab.figures.figures import Skip, _fig, _finish, _pair_label
+    from mismatch_lab.figures.base import Skip, finish, pair_label, panel_figure
 
     series = step_series(con)
     series = series[series["n_finite"] > 0]
@@ -184,13 +184,13 @@ def fig9_steps(con: duckdb.DuckDBPyConnection, rows=None) -> list[tuple[str, Fig
     fits = {col: {tuple(f[:3]): f for f in growth(series, col).itertuples(index=False)} for col, _, _ in panels}
     marker = "o-" if series["step"].nunique() <= SMOOTH_ABOVE_STEPS else "-"  # markers where fig6 draws no mean
     legend_room = 0.11 * len(lines) if len(lines) <= MAX_LEGEND_LINES else 0.0  # inches under the axes
-    fig, axes = _fig(1, 2, w=4.2, h=2.9, left=0.9, wgap=1.0, bottom=0.75 + legend_room)
+    fig, axes = panel_figure(1, 2, w=4.2, h=2.9, left=0.9, wgap=1.0, bottom=0.75 + legend_room)
     per_run = pd.Series([key[0] for key, _ in lines]).value_counts()
     for ax, (col, ylabel, title) in zip(axes[0], panels):
         for i, (key, g) in enumerate(lines):
             fit = fits[col].get(key)
             # the run's label names its rollout; the pair is added where a run has several scorers
-            name = label.get(key[0], key[0]) + (f": {_pair_label(*key[1:])}" if per_run[key[0]] > 1 else "")
+            name = label.get(key[0], key[0]) + (f": {pair_label(*key[1:])}" if per_run[key[0]] > 1 else "")
             name += f", {_growth_text(fit)}" if fit else ""
             ax.plot(g["step"], g[col], marker, ms=2.5, lw=1.1, color=cmap(i % 10), label=name)
         pos = series[col][series[col] > 0]
@@ -203,7 +203,7 @@ def fig9_steps(con: duckdb.DuckDBPyConnection, rows=None) -> list[tuple[str, Fig
         if len(lines) <= MAX_LEGEND_LINES:  # under the axes: long labels would cover the curves
             ax.legend(fontsize=5.5, loc="upper left", bbox_to_anchor=(0.0, -0.18), frameon=False)
     per_line = "; ".join(
-        f"{label.get(key[0], key[0])} {_pair_label(*key[1:])}: {g['step'].nunique()} steps, "
+        f"{label.get(key[0], key[0])} {pair_label(*key[1:])}: {g['step'].nunique()} steps, "
         f"n = {int(g['n_finite'].sum()):,} tokens"
         + (f", mean |Δp| {_growth_text(fits['abs_dp_mean'][key])}" if key in fits["abs_dp_mean"] else "")
         for key, g in lines[:12]
@@ -219,4 +219,4 @@ def fig9_steps(con: duckdb.DuckDBPyConnection, rows=None) -> list[tuple[str, Fig
         "Log axes where values span more than two decades."
         + ("" if len(lines) <= MAX_LEGEND_LINES else " Too many lines for a legend: see the analysis table.")
     )
-    return [("fig9_mismatch_over_steps", _finish(fig, "Mismatch over training steps", caption))]
+    return [("fig9_mismatch_over_steps", finish(fig, "Mismatch over training steps", caption))]

@@ -95,7 +95,7 @@ def test_the_memory_plan_counts_a_rounded_weight_scorer_at_its_compute_dtype():
 def test_collect_stores_the_variant_under_its_label_and_the_analyses_read_it(tmp_path, tiny_model):
     from mismatch_lab.analysis.precision import precision_table
     from mismatch_lab.cli import main
-    from mismatch_lab.figures.figures import _dtype
+    from mismatch_lab.figures.base import dtype_of
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"What is {i} + 1?"}) + "\n" for i in range(2)))
@@ -111,4 +111,4 @@ def test_collect_stores_the_variant_under_its_label_and_the_analyses_read_it(tmp
     df = precision_table(con).set_index("scorer")
     assert set(df.index) == {"hf:fp32", "hf:bf16", "hf:fp32-wbf16"}
     assert df.loc["hf:fp32-wbf16", "n_tokens"] == n
-    assert _dtype("hf:fp32-wbf16") == "fp32"
+    assert dtype_of("hf:fp32-wbf16") == "fp32"

@@ -10,7 +10,7 @@ import pytest
 
 from mismatch_lab.cli import main
 from mismatch_lab.figures import FIGURES, Skip
-from mismatch_lab.figures.figures import study_rows
+from mismatch_lab.figures.base import study_rows
 from mismatch_lab.store.reader import open_store
 
 STEMS = {
