@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Advance the ten runs of studies/stability/study.toml round-robin, STEP_BLOCK steps at a time, up to
+# Advance the eleven runs of studies/stability/study.toml round-robin, STEP_BLOCK steps at a time, up to
 # STEPS (default 100): an interrupted sitting loses at most the steps after each run's last checkpoint
 # (every 5 steps); re-running this script continues where the store and the checkpoints stand.
 set -euo pipefail
@@ -17,6 +17,7 @@ RUNS=(
   "--loss dppo_topk_tv --seed 1"
   "--loss pg_is --seed 1"
   "--loss pg_is --rollout-weights fp8 --seed 1"
+  "--loss dppo_binary_tv --rollout-weights fp8 --seed 1"
 )
 for ((target = STEP_BLOCK; target < STEPS + STEP_BLOCK; target += STEP_BLOCK)); do
   (( target > STEPS )) && target=$STEPS

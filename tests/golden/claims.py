@@ -149,7 +149,7 @@ class Golden:
         return out
 
 
-# studies/stability: its ten commands' run ids (TrainConfig.run_id() of each command of its study.toml)
+# studies/stability: its eleven commands' run ids (TrainConfig.run_id() of each command of its study.toml)
 STABILITY_RUNS = {
     "pg_is": "stability-train-pg_is-ac1d09b65f",
     "dppo_binary_tv": "stability-train-dppo_binary_tv-18403fe7c6",
@@ -161,6 +161,7 @@ STABILITY_RUNS = {
     "dppo_topk_tv seed 1": "stability-train-dppo_topk_tv-f97975c412",
     "pg_is seed 1": "stability-train-pg_is-478b332efc",
     "pg_is fp8 seed 1": "stability-train-pg_is-07a55b501f",
+    "dppo_binary_tv fp8 seed 1": "stability-train-dppo_binary_tv-c9dd7ad425",
 }
 ACC, LEN = "reward/accuracy/mean", "response/length/mean"
 LOSSES = ("dppo_binary_tv", "dppo_binary_kl", "dppo_topk_tv", "grpo", "pg_is", "cispo")
@@ -441,9 +442,17 @@ def quotes(g: Golden) -> list[Quote]:
                  "{−0.028} per 100 steps, {−0.032} to {−0.023})",
               (*(st_range("pg_is fp8 seed 1", ACC, *w) for w in ((1, 10), (91, 100), (51, 60))),
                *st_growth("pg_is fp8 seed 1"))),
-        Quote(5, "(a second PG-IS seed behind the fp8-weights rollout: {0.32} %, {97} tokens;",
-              (st_mean("pg_is fp8 seed 1", "bad_update/all/frac"),
-               sum(st_metric("pg_is fp8 seed 1", "bad_update/all/count").values()))),
+        Quote(5, "(second seeds behind the fp8-weights rollout: {0.32} % vs {0.017} %, {97} vs {34} tokens)",
+              (*(st_mean(r, "bad_update/all/frac") for r in ("pg_is fp8 seed 1", "dppo_binary_tv fp8 seed 1")),
+               *(sum(st_metric(r, "bad_update/all/count").values()) for r in ("pg_is fp8 seed 1", "dppo_binary_tv fp8 seed 1")))),
+        Quote(6, "the second DPPO seed there peaked at {0.575} (steps 41–50) and fell back to {0.325} over steps 91–100 "
+                 "({0.24} over steps 1–10), its responses at the 128-token cap from step 11 on (mean {127.7} over steps "
+                 "11–100) and its entropy falling from {2.13} to {0.11} nats (steps 1–10 → 91–100); its mean \\|π − μ\\| "
+                 "fell too ({−0.021} per 100 steps, {−0.024} to {−0.018})",
+              (*(st_range("dppo_binary_tv fp8 seed 1", ACC, *w) for w in ((41, 50), (91, 100), (1, 10))),
+               st_range("dppo_binary_tv fp8 seed 1", LEN, 11, 100),
+               *(st_range("dppo_binary_tv fp8 seed 1", "entropy/mean", *w) for w in ((1, 10), (91, 100))),
+               *st_growth("dppo_binary_tv fp8 seed 1"))),
         Quote(6, "grew significantly in no run (per 100 steps: PG-IS {−0.033}, 95 % t-interval {−0.041} to {−0.024}; DPPO "
                  "{+0.009}, {−0.006} to {+0.024}; the fp8-weights runs {−0.023} and {−0.035}; PG-IS from the tie-grid "
                  "checkpoint {+0.003}, {−0.002} to {+0.008})",
@@ -534,6 +543,10 @@ CONTEXT = [
     Context(6, "rose from 0.039 (steps {1}–{10}) to 0.087 (steps {31}–{40})", "the step ranges averaged"),
     Context(6, "(−0.015 per {100} steps", "the slope's unit"),
     Context(6, "over steps {51}–{60}; mean \\|π − μ\\| −0.028 per {100} steps", "the step range averaged; the slope's unit"),
+    Context(6, "0.575 (steps {41}–{50}) and fell back to 0.325 over steps {91}–{100} (0.24 over steps {1}–{10}), its "
+               "responses at the {128}-token cap from step {11} on (mean 127.7 over steps {11}–{100}) and its entropy "
+               "falling from 2.13 to 0.11 nats (steps {1}–{10} → {91}–{100}); its mean \\|π − μ\\| fell too (−0.021 per "
+               "{100} steps", "the step ranges averaged; max_tokens (study.toml); the slope's unit"),
     Context(6, "collapsed in seed {0} (0.77", "the seed"),
     Context(6, "fell in seed {1} (0.84", "the seed"),
     Context(6, "PG-IS recovered in seed {0} and collapsed in seed {1}", "the seeds"),
