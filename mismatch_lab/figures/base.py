@@ -53,6 +53,16 @@ def panel_figure(nrows: int, ncols: int, w: float = 3.0, h: float = 2.4, *, left
     return fig, axes
 
 
+LINE_STYLES = ("-", "--", ":", "-.")
+
+
+def line_styles(n: int) -> list[dict]:
+    """Distinct plot styles for n lines: the ten tab10 colours, then the same colours dashed, dotted,
+    dash-dotted (so an eleventh run is not drawn like the first)."""
+    cmap = matplotlib.colormaps["tab10"]
+    return [{"color": cmap(i % 10), "ls": LINE_STYLES[(i // 10) % len(LINE_STYLES)]} for i in range(n)]
+
+
 def panel_grid(n: int, ncols: int = 4, **kw) -> tuple[Figure, list]:
     """A figure with n panels on a grid; the grid's unused cells are removed (no empty panel)."""
     ncols = max(1, min(ncols, n))

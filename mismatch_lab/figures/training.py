@@ -15,7 +15,6 @@ import json
 from pathlib import Path
 
 import duckdb
-import matplotlib
 import pandas as pd
 from matplotlib.figure import Figure
 
@@ -82,7 +81,7 @@ def fig6_training(con: duckdb.DuckDBPyConnection, rows=None) -> list[tuple[str, 
     training run (run_labels), panels: accuracy, mismatch, masked share, bad-update share, entropy."""
     from mismatch_lab.analysis.relations import query
     from mismatch_lab.analysis.violations import train_series
-    from mismatch_lab.figures.base import Skip, finish, panel_grid
+    from mismatch_lab.figures.base import Skip, finish, line_styles, panel_grid
 
     runs = query(con, "SELECT run_id FROM runs WHERE kind = 'train' ORDER BY run_id")
     series = train_series(con, list(runs["run_id"])) if not runs.empty else pd.DataFrame()
@@ -101,19 +100,18 @@ def fig6_training(con: duckdb.DuckDBPyConnection, rows=None) -> list[tuple[str, 
         raise Skip("the training runs log none of the metrics figure 6 plots")
     ncols = 2
     fig, axes = panel_grid(len(panels), ncols=ncols, w=4.2, h=2.8, left=0.9)
-    cmap = matplotlib.colormaps["tab10"]
-    color = {r: cmap(i % 10) for i, r in enumerate(sorted(label))}
+    style = dict(zip(sorted(label), line_styles(len(label))))
     n_steps = series.groupby("run_id")["step"].nunique()
     smooth = n_steps.max() > SMOOTH_ABOVE_STEPS  # long runs: faint per-step values under a trailing mean
     for ax, (title, ylabel, name) in zip(axes, panels):
         for run_id, s in series[series["name"] == name].groupby("run_id", sort=True):
             s = s.sort_values("step")
             if smooth:
-                ax.plot(s["step"], s["value"], "-", lw=0.5, alpha=0.3, color=color[run_id])
+                ax.plot(s["step"], s["value"], lw=0.5, alpha=0.3, color=style[run_id]["color"])
                 trail = s["value"].rolling(SMOOTH_STEPS, min_periods=1).mean()
-                ax.plot(s["step"], trail, "-", lw=1.4, color=color[run_id], label=label[run_id])
+                ax.plot(s["step"], trail, lw=1.4, **style[run_id], label=label[run_id])
             else:
-                ax.plot(s["step"], s["value"], "o-", ms=2.5, lw=1.1, color=color[run_id], label=label[run_id])
+                ax.plot(s["step"], s["value"], marker="o", ms=2.5, lw=1.1, **style[run_id], label=label[run_id])
         ax.set_title(f"{title}: {name}", fontsize=9)
         ax.set_xlabel("training step (optimizer steps)", fontsize=8)
         ax.set_ylabel(ylabel, fontsize=8)
@@ -167,7 +165,13 @@ def fig9_steps(con: duckdb.DuckDBPyConnection, rows=None) -> list[tuple[str, Fig
     growth: the per-step slope and its 95 % t-interval (`steps.growth`). `rows` (figures 1-5's row set) is
     not used: train runs are not in it, and collect runs have no steps."""
     from mismatch_lab.analysis.steps import growth, step_series
-    from mismatch_lab.figures.base import Skip, finish, pair_label, panel_figure
+    from mismatch_lab.figures.base import (
+        Skip,
+        finish,
+        line_styles,
+        pair_label,
+        panel_figure,
+    )
 
     series = step_series(con)
     series = series[series["n_finite"] > 0]
@@ -176,13 +180,13 @@ def fig9_steps(con: duckdb.DuckDBPyConnection, rows=None) -> list[tuple[str, Fig
     label = run_labels(con, series["run_id"].unique())
     keys = ["run_id", "rollout", "scorer"]
     lines = [(key, g.sort_values("step")) for key, g in series.groupby(keys, sort=True)]
-    cmap = matplotlib.colormaps["tab10"]
+    styles = line_styles(len(lines))
     panels = (
         ("abs_dp_mean", "mean |π − μ| per step (probability)", "mean |Δp|"),
         ("kl_k3", "mean k3 = r − log r − 1 per step (nats)", "token KL(μ‖π), k3"),
     )
     fits = {col: {tuple(f[:3]): f for f in growth(series, col).itertuples(index=False)} for col, _, _ in panels}
-    marker = "o-" if series["step"].nunique() <= SMOOTH_ABOVE_STEPS else "-"  # markers where fig6 draws no mean
+    marker = "o" if series["step"].nunique() <= SMOOTH_ABOVE_STEPS else None  # markers where fig6 draws no mean
     legend_room = 0.11 * len(lines) if len(lines) <= MAX_LEGEND_LINES else 0.0  # inches under the axes
     fig, axes = panel_figure(1, 2, w=4.2, h=2.9, left=0.9, wgap=1.0, bottom=0.75 + legend_room)
     per_run = pd.Series([key[0] for key, _ in lines]).value_counts()
@@ -192,7 +196,7 @@ def fig9_steps(con: duckdb.DuckDBPyConnection, rows=None) -> list[tuple[str, Fig
             # the run's label names its rollout; the pair is added where a run has several scorers
             name = label.get(key[0], key[0]) + (f": {pair_label(*key[1:])}" if per_run[key[0]] > 1 else "")
             name += f", {_growth_text(fit)}" if fit else ""
-            ax.plot(g["step"], g[col], marker, ms=2.5, lw=1.1, color=cmap(i % 10), label=name)
+            ax.plot(g["step"], g[col], marker=marker, ms=2.5, lw=1.1, **styles[i], label=name)
         pos = series[col][series[col] > 0]
         if len(pos) and pos.max() / pos.min() > 100 and (series[col] > 0).all():
             ax.set_yscale("log")

@@ -45,3 +45,13 @@ def test_a_seed_that_differs_between_runs_is_named_instead_of_the_run_id(tmp_pat
                   ("c", "pg_is", "none", "bf16", "/m/x")], seeds={"b": 1})
     labels = run_labels(open_store(write_store(tmp_path / "s.duckdb", {"runs": runs})))
     assert labels == {"a": "dppo_topk_tv · seed 0", "b": "dppo_topk_tv · seed 1", "c": "pg_is · seed 0"}
+
+
+def test_line_styles_stay_distinct_past_the_ten_colours():
+    from mismatch_lab.figures.base import line_styles
+
+    styles = line_styles(25)
+    keys = [(s["color"], s["ls"]) for s in styles]
+    assert len(set(keys)) == 25  # the 11th run is not drawn like the 1st
+    assert [s["ls"] for s in styles[:10]] == ["-"] * 10  # up to ten runs: solid, as before
+    assert styles[10]["color"] == styles[0]["color"] and styles[10]["ls"] != styles[0]["ls"]
