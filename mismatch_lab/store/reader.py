@@ -6,7 +6,8 @@
       committed, while the writer goes on. The copy is removed when the process exits.
   (b) a directory of Parquet results, `<dir>/<table>.parquet` (or `<dir>/<table>/*.parquet`, e.g. hive
       partitions) for the tables of `schema.TABLES`: an in-memory DuckDB with one VIEW per table.
-      A missing file gives an empty table; a contract column a file lacks reads as NULL.
+      A missing file gives an empty table; a contract column a file lacks reads as NULL. `key=value`
+      folders count only below `<dir>/<table>/` (a store under `runs/seed=3/` gains no column `seed`).
   (c) a study directory `studies/<name>/` (or its study.toml): its `results/` directory, as in (b).
   (d) a shard store (recorded and imported runs, `store.shards`): read as (b), its `runs` folded to one
       row per run from the per-rank rows (`shards.RUNS_VIEW`).
@@ -16,6 +17,7 @@ Anything else raises `UserError` naming the fix.
 from __future__ import annotations
 
 import atexit
+import re
 import shutil
 import tempfile
 import time
@@ -108,22 +110,49 @@ def _quote(path: str) -> str:
     return "'" + path.replace("'", "''") + "'"
 
 
-def _parquet_sources(d: Path) -> dict[str, str]:
-    """table -> read_parquet() arguments (SQL) for the tables present in directory d. A shard store is
-    read from its committed shards only (`shards.committed_files`): a unit whose commit a crash cut short
-    is invisible until it is written again."""
+def _parquet_sources(d: Path, contract: dict[str, list[tuple[str, str]]] | None = None) -> dict[str, str]:
+    """table -> a relation (SQL) reading the table's Parquet files in directory d. A shard store is read
+    from its committed shards only (`shards.committed_files`): a unit whose commit a crash cut short is
+    invisible until it is written again. DuckDB's own hive parsing is off everywhere: it reads `key=value`
+    from every folder of the absolute path, so a store under `.../seed=3/` would gain a column `seed` (or
+    have `step` overwritten); a partitioned table folder gets its keys from below the folder only."""
     out = {}
     if is_shard_store(d):
         for table, files in committed_files(d).items():
-            out[table] = "[" + ", ".join(_quote(f) for f in files) + "], union_by_name = true"
+            files_sql = "[" + ", ".join(_quote(f) for f in files) + "]"
+            out[table] = f"read_parquet({files_sql}, union_by_name = true, hive_partitioning = false)"
         return out
     for table in TABLES:
         if (d / f"{table}.parquet").is_file():
-            out[table] = _quote(str(d / f"{table}.parquet"))
+            out[table] = f"read_parquet({_quote(str(d / f'{table}.parquet'))}, hive_partitioning = false)"
         elif (d / table).is_dir() and any((d / table).rglob("*.parquet")):
-            # hive keys (table/run_id=x/...) only for partitioned directories: a plain path may contain '='
-            out[table] = _quote(str(d / table / "**" / "*.parquet")) + ", hive_partitioning = true, union_by_name = true"
+            out[table] = _hive_folder(d / table, dict((contract or _contract_columns())[table]))
     return out
+
+
+def _hive_folder(folder: Path, types: dict[str, str]) -> str:
+    """A relation over every Parquet file below `folder` plus one column per `key=value` folder name
+    below it (table/scorer=hf:fp32/...), typed as the contract column of that name (else VARCHAR); as in
+    hive partitioning, a key replaces a file column of the same name."""
+    keys = list(dict.fromkeys(part.split("=", 1)[0] for f in folder.rglob("*.parquet")
+                              for part in f.relative_to(folder).parent.parts if "=" in part))
+    reader = (f"read_parquet({_quote(str(folder / '**' / '*.parquet'))}, union_by_name = true, "
+              "hive_partitioning = false, filename = '_ml_file')")
+    present = {r[0] for r in duckdb.connect().execute(f"DESCRIBE SELECT * FROM {reader}").fetchall()}
+    start = len(str(folder)) + 2  # the path below the folder, 1-based
+
+    def value(key: str) -> str:
+        pattern = _quote(f"(^|/){re.escape(key)}=([^/]*)/")
+        raw = f"url_decode(regexp_extract(substr(_ml_file, {start}), {pattern}, 2))"
+        return f"TRY_CAST(nullif(nullif({raw}, ''), '__HIVE_DEFAULT_PARTITION__') AS {types.get(key, 'VARCHAR')})"
+
+    def name(key: str) -> str:
+        return '"' + key.replace('"', '""') + '"'
+
+    replaced = [f"{value(k)} AS {name(k)}" for k in keys if k in present]
+    added = "".join(f", {value(k)} AS {name(k)}" for k in keys if k not in present)
+    star = "* EXCLUDE (_ml_file)" + (f" REPLACE ({', '.join(replaced)})" if replaced else "")
+    return f"(SELECT {star}{added} FROM {reader})"
 
 
 def _contract_columns() -> dict[str, list[tuple[str, str]]]:
@@ -145,9 +174,9 @@ def _contract_columns() -> dict[str, list[tuple[str, str]]]:
 
 
 def _open_parquet_dir(d: Path) -> duckdb.DuckDBPyConnection:
-    sources = _parquet_sources(d)
-    shards = is_shard_store(d)
     contract = _contract_columns()
+    sources = _parquet_sources(d, contract)
+    shards = is_shard_store(d)
     con = duckdb.connect()
     con.execute(f"CREATE TABLE {FILLED_COLUMNS}(table_name VARCHAR, column_name VARCHAR)")
     for table in TABLES:
@@ -155,7 +184,7 @@ def _open_parquet_dir(d: Path) -> duckdb.DuckDBPyConnection:
         if src is None:
             con.execute(next(s for s in DDL if _ddl_table(s) == table))
             continue
-        reader = f"read_parquet({src})"
+        reader = src
         try:
             present = {r[0] for r in con.execute(f"DESCRIBE SELECT * FROM {reader}").fetchall()}
         except duckdb.Error as exc:

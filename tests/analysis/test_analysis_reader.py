@@ -132,3 +132,43 @@ def test_bad_paths_raise_a_user_error_naming_the_fix(tmp_path):
     garbage.write_bytes(b"this is not a database" * 100)
     with pytest.raises(UserError, match="cannot read .* as a DuckDB store"):
         open_store(garbage)
+
+
+def test_key_value_folders_above_a_store_are_not_read_as_columns(full_store, tmp_path):
+    """DuckDB parses `key=value` from every folder of a Parquet file's absolute path; stores under such
+    folders (Hydra-style run directories) must read as the files hold them: no `seed` column, no `step`
+    overwritten, and a partitioned table's own keys read from below its folder only."""
+    import numpy as np
+
+    from mismatch_lab.record import Recorder
+
+    base = tmp_path / "step=7" / "seed=3"
+    _export(full_store, base / "results", tables=("runs", "tokens", "sequences"))
+    con = open_store(base / "results")
+    cols = [r[0] for r in con.execute("DESCRIBE sequences").fetchall()]
+    assert "seed" not in cols
+    src = duckdb.connect(str(full_store.path), read_only=True)
+    want = src.execute("SELECT step, count(*) FROM sequences GROUP BY ALL ORDER BY ALL").fetchall()
+    src.close()
+    assert con.execute("SELECT step, count(*) FROM sequences GROUP BY ALL ORDER BY ALL").fetchall() == want
+    con.close()
+
+    with Recorder(base / "shards", "run-a", framework="trl", rollout_engine="vllm", trainer_dtype="fp32") as rec:
+        rec.log_step(2, np.array([[5, 6]]), np.ones((1, 2), bool), np.full((1, 2), -0.5), np.full((1, 2), -0.4))
+    con = open_store(base / "shards")
+    assert con.execute("SELECT DISTINCT step FROM sequences").fetchall() == [(2,)]
+    assert con.execute("SELECT DISTINCT run_id FROM tokens").fetchall() == [("run-a",)]
+    assert "seed" not in [r[0] for r in con.execute("DESCRIBE tokens").fetchall()]
+    con.close()
+
+    folder = base / "parts"
+    _export(full_store, folder, tables=("runs", "tokens"))
+    src = duckdb.connect(str(full_store.path), read_only=True)
+    src.execute(f"COPY scores TO '{folder / 'scores'}' (FORMAT parquet, PARTITION_BY (scorer))")
+    src.close()
+    con = open_store(folder)
+    cols = [r[0] for r in con.execute("DESCRIBE scores").fetchall()]
+    assert "seed" not in cols and "step" not in cols and cols.count("scorer") == 1
+    assert {r[0] for r in con.execute("SELECT DISTINCT scorer FROM scores").fetchall()} == {"hf:fp32", "hf:bf16"}
+    assert _count(con, "scores") == len(full_store.frames["scores"])
+    con.close()
