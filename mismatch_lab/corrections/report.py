@@ -70,9 +70,10 @@ def tables(vs, tok: pd.DataFrame | None, seq: pd.DataFrame | None, info: pd.Data
     if desc.empty:  # a store without any (rollout, scorer) pair
         return {"corrections": pd.DataFrame(columns=[*COLUMNS, "n_nonfinite"]),
                 **{name: pd.DataFrame(columns=[*COLUMNS[:5], key, *COLUMNS[5:]]) for name, key in SPLITS.items()}}
-    if tok is None:
-        tok = pd.DataFrame(columns=["label", "pair", *SPLITS.values(), *TOKEN_SUMS])
-        seq = pd.DataFrame(columns=["label", "pair", "adv_sign", "n_seqs", "n_seqs_masked"])
+    if tok is None:  # numeric sums (object columns would make 0 / 0 a ZeroDivisionError instead of NaN)
+        tok = pd.DataFrame(columns=["label", "pair", *SPLITS.values(), *TOKEN_SUMS]).astype(dict.fromkeys(TOKEN_SUMS, float))
+        seq = pd.DataFrame(columns=["label", "pair", "adv_sign", "n_seqs", "n_seqs_masked"]).astype(
+            {"n_seqs": float, "n_seqs_masked": float})
     for df in (tok, seq):
         if "adv_sign" in df:
             df["adv_sign"] = df["adv_sign"].map(SIGN_NAMES)

@@ -109,11 +109,22 @@ def check_rows(check: Check, table: pd.DataFrame) -> list[dict]:
 
 
 def run_checks(m: Measurements, names: tuple[str, ...] | None = None) -> tuple[list[dict], list[dict]]:
-    """(check rows, not measured): every check of the registry (or `names`) on the store of `m`."""
+    """(check rows, not measured): every check of the registry (or `names`) on the store of `m`. Not measured:
+    a check no row of the store gives a number for, and, per pair, a check the store holds the pair for but
+    without a number (e.g. every sequence of the pair holds a non-finite row); such a pair fails the check's
+    gates (`verdicts.gate_status`): a gate never passes a pair it did not measure."""
     rows, missing = [], []
     for check in CHECKS if names is None else [BY_NAME[n] for n in names]:
-        found = check_rows(check, m.get(check.measure))
+        table = m.get(check.measure)
+        found = check_rows(check, table)
         rows += found
         if not found:
-            missing.append({"check": check.name, "title": check.title, "needs": check.needs})
+            missing.append({"check": check.name, "title": check.title, "needs": check.needs, "pair": None,
+                            "gates": list(check.gates)})
+            continue
+        measured = {r["pair"] for r in found}
+        for pair in dict.fromkeys(_label(r) for r in table.to_dict("records")):
+            if pair not in measured:
+                missing.append({"check": check.name, "title": check.title, "pair": pair, "gates": list(check.gates),
+                                "needs": f"finite values of {pair} (none of its rows or sequences gave one)"})
     return rows, missing

@@ -68,6 +68,8 @@ def run(args: argparse.Namespace) -> int:
     json_path = Path(args.json) if args.json else None
     if json_path is not None and not json_path.parent.is_dir():
         raise UserError(f"the folder of --json {json_path} does not exist; create it or pass another path")
+    if json_path is not None and json_path.is_dir():
+        raise UserError(f"--json {json_path} is a folder; pass a file path, e.g. {json_path / 'doctor.json'}")
     store = _probe_store(args)
     con = open_store(store)
     try:

@@ -15,6 +15,8 @@ the numbers) and `numbers` (the same numbers, by name).
 
 from __future__ import annotations
 
+import math
+
 import pandas as pd
 
 from mismatch_lab.analysis import definitions as d
@@ -61,6 +63,11 @@ def fp16(m: Measurements) -> list[dict]:
                         f"only bf16 is measured for {rollout}; `mismatch-lab doctor --model M --rollout-dtype fp16 "
                         f"--trainer-dtype fp16 --db S` adds the comparison the {FP16_PAPER} makes")]
     bf, fp = found
+    if not (math.isfinite(bf["abs_dp_mean"]) and math.isfinite(fp["abs_dp_mean"])):  # a side without finite rows
+        unmeasured = bf if not math.isfinite(bf["abs_dp_mean"]) else fp
+        return [_advice("fp16", "measure the fp16 and bf16 rollouts again",
+                        f"{unmeasured['rollout']}/{unmeasured['scorer']} has no finite scored token: fp16 and bf16 "
+                        f"cannot be compared ({FP16_PAPER})")]
     ratio = bf["abs_dp_mean"] / fp["abs_dp_mean"] if fp["abs_dp_mean"] > 0 else float("inf")
     because = (f"mean |π − μ| {bf['rollout']}/{bf['scorer']} {bf['abs_dp_mean']:.3g} vs {fp['rollout']}/{fp['scorer']} "
                f"{fp['abs_dp_mean']:.3g}: fp16 is {ratio:.3g}× below bf16 ({FP16_PAPER})")

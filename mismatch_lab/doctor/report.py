@@ -44,7 +44,7 @@ def diagnose(con: duckdb.DuckDBPyConnection, store: str = "", gate: str | None =
     with Measurements(con) as m:
         rows, missing = run_checks(m)
         advice = recommendations(m)
-    code, failed = gate_status(rows, gate)
+    code, failed = gate_status(rows, gate, missing)
     return Diagnosis(store, rows, missing, advice, gate, failed, code)
 
 
@@ -120,7 +120,7 @@ def text_report(dx: Diagnosis) -> str:
     if dx.not_measured:
         needs: dict[str, list[str]] = {}
         for n in dx.not_measured:
-            needs.setdefault(n["needs"], []).append(n["check"])
+            needs.setdefault(n["needs"], []).append(n["check"])  # per pair: the needs text names the pair
         lines += ["", "not measured:", *(f"  {', '.join(c)}: needs {k}" for k, c in needs.items())]
     lines.append("")
     lines.append(_gate_line(dx))

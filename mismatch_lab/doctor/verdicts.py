@@ -1,7 +1,7 @@
 """The verdict logic, pure: a value against a band, and a gate over a list of verdicts. No I/O, no SQL.
 
     judge(value, band) -> 'ok' | 'warn' | 'fail'   (bands.Band documents the three kinds)
-    gate_status(rows, gate) -> (exit code, the failing rows)
+    gate_status(rows, gate, unmeasured) -> (exit code, the failing rows)
 
 A value that is NaN or None cannot be judged: `judge` raises, and the checks never hand one in (a check
 that lacks its data is reported as not measured instead, see checks.py).
@@ -48,11 +48,13 @@ def worst(verdicts: Iterable[str]) -> str:
     return max(verdicts, key=VERDICTS.index, default="ok")
 
 
-def gate_status(rows: Iterable[Mapping], gate: str | None) -> tuple[int, list[Mapping]]:
+def gate_status(rows: Iterable[Mapping], gate: str | None, unmeasured: Iterable[Mapping] = ()) -> tuple[int, list[Mapping]]:
     """Exit code of a gate over check rows (each with 'gates' and 'verdict'): 1 when a row of the gate
-    failed, else 0; with the failing rows. No gate (None): always 0. A gate none of whose checks could be
+    failed or a pair of the store is `unmeasured` (not-measured entries with a 'pair') by one of its
+    checks, else 0; with the failing rows. No gate (None): always 0. A gate none of whose checks could be
     measured passes nothing: the caller reports that as bad input (nothing to gate on)."""
     if gate is None:
         return 0, []
     failed = [r for r in rows if gate in r["gates"] and r["verdict"] == "fail"]
+    failed += [{**u, "verdict": "not measured"} for u in unmeasured if u.get("pair") and gate in u.get("gates", ())]
     return (1 if failed else 0), failed

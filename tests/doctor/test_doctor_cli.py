@@ -68,6 +68,7 @@ def test_a_small_fp16_gain_is_not_advised(store):
     (["--db", "STORE", "--rollout-dtype", "fp16"], "--rollout-dtype configure the probe: add --model"),
     (["--db", "EMPTY", "--gate", "verl"], "holds nothing its checks measure"),
     (["--model", "default", "--db", "DIR"], "the probe writes a DuckDB file"),
+    (["--db", "STORE", "--json", "DIR"], "is a folder; pass a file path"),
 ])
 def test_bad_input_exits_2_with_one_line(store, tmp_path, capsys, argv, message):
     from mismatch_lab.store.synthetic import write_store
@@ -83,3 +84,42 @@ def test_gate_names_outside_the_registry_are_refused(store, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["doctor", "--db", store(Pair()), "--gate", "miles"])
     assert exc.value.code == 2 and "invalid choice" in capsys.readouterr().err
+
+
+def test_a_gate_fails_a_pair_it_could_not_measure(store, capsys):
+    """slime's check is per sequence over sequences without a non-finite row: an fp16 pair whose only
+    sequence holds one has no value, and the gate must not pass it unseen."""
+    fine = Pair(mu=0.01, pi=0.0105)
+    blind = Pair(rollout="vllm:fp16", mu=0.01, pi=0.02, n_seq=1, length=10, nonfinite=1)
+    assert main(["doctor", "--db", store(fine), "--gate", "slime"]) == 0
+    capsys.readouterr()
+    assert main(["doctor", "--db", store(fine, blind), "--gate", "slime"]) == 1
+    out = capsys.readouterr().out
+    assert "gate slime: FAIL" in out and "vllm:fp16/hf:fp32" in out.split("gate slime:", 1)[1]
+    assert "not measured:" in out and "finite values of vllm:fp16/hf:fp32" in out
+
+
+def test_no_fp16_advice_from_a_rollout_without_finite_rows(store):
+    from mismatch_lab.doctor.measure import Measurements
+    from mismatch_lab.doctor.recommend import fp16
+    from mismatch_lab.store.reader import open_store
+
+    con = open_store(store(Pair(rollout="vllm:bf16", pi=0.51, n_seq=2, length=3),
+                           Pair(rollout="vllm:fp16", n_seq=1, length=3, nonfinite=3)))
+    with Measurements(con) as m:
+        (a,) = fp16(m)
+    con.close()
+    assert not a["advice"].startswith("use fp16") and "no finite scored token" in a["because"]
+    assert "inf" not in a["because"] and "nan" not in a["because"]
+
+
+def test_corrections_report_a_pair_whose_every_token_is_non_finite(store, tmp_path, capsys):
+    """Its counts are 0 and its shares NaN (0 / 0), not a ZeroDivisionError; --json to a folder is refused."""
+    path = store(Pair(rollout="vllm:fp16", n_seq=1, length=3, nonfinite=3))
+    out = tmp_path / "c.json"
+    assert main(["corrections", "--db", path, "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["corrections"]
+    assert rows and all(r["n_tokens"] == 0 and r["frac_tokens_masked"] is None for r in rows)
+    capsys.readouterr()
+    assert main(["corrections", "--db", path, "--json", str(tmp_path)]) == 2
+    assert "is a folder; pass a file path" in capsys.readouterr().err

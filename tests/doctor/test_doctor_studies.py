@@ -37,7 +37,8 @@ def _verdicts(dx, check: str) -> dict[str, str]:
 
 @pytest.mark.parametrize("study", sorted(GATES))
 def test_gate_exit_codes(diagnoses, study):
-    assert {g: gate_status(diagnoses[study].checks, g)[0] for g in GATES[study]} == GATES[study]
+    dx = diagnoses[study]
+    assert {g: gate_status(dx.checks, g, dx.not_measured)[0] for g in GATES[study]} == GATES[study]
 
 
 def test_precision_sweep_bf16_pairs_warn_under_verl_and_fp16_pairs_pass(diagnoses):
