@@ -114,7 +114,7 @@ def _batches(path: Path, row0: int, batch: pa.RecordBatch):
     token_ids = batch.column("token_ids")
     n = lengths(token_ids)
     p.add(n < 0, "field 'token_ids' is missing (or null)")
-    check_aligned(p, batch, n, PER_POSITION)
+    check_aligned(p, batch, n, PER_POSITION, {"adv_tok": "advantage"})  # a per-token `advantage` of the file
     for name in ("token_ids", "mask"):
         p.add(has_null_items(batch.column(name)), f"field {name!r} has a null item")
     ids, lps = batch.column("rollout_topk_ids"), batch.column("rollout_topk_logps")

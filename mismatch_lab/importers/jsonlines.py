@@ -196,13 +196,16 @@ def has_null_items(col: pa.Array) -> np.ndarray:
     return out
 
 
-def check_aligned(problems: Problems, batch: pa.RecordBatch, base_len: np.ndarray, fields: dict[str, bool]) -> None:
-    """Each list field of `fields` (name -> required) must have the length of the base field."""
+def check_aligned(problems: Problems, batch: pa.RecordBatch, base_len: np.ndarray, fields: dict[str, bool],
+                  source_names: dict[str, str] | None = None) -> None:
+    """Each list field of `fields` (name -> required) must have the length of the base field; messages name
+    a column by its field in the file (`source_names`: column -> file field, where they differ)."""
     for name, required in fields.items():
         n = lengths(batch.column(name))
+        field = (source_names or {}).get(name, name)
         if required:
-            problems.add(n < 0, f"field {name!r} is missing (or null)")
-        problems.add((n >= 0) & (n != base_len), f"field {name!r} has a different length than token_ids (misaligned)")
+            problems.add(n < 0, f"field {field!r} is missing (or null)")
+        problems.add((n >= 0) & (n != base_len), f"field {field!r} has a different length than token_ids (misaligned)")
 
 
 def flat_values(col: pa.Array, row_len: np.ndarray, dtype=np.float64) -> np.ndarray:

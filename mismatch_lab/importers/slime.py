@@ -169,10 +169,10 @@ def _batch(path: Path, samples, step: int, rank: int, raw_reward) -> FlatBatch:
                                 f"{ids.shape} / {lps.shape}, expected [{R}, K] both")
             topk_ids.append(ids)
             topk_lps.append(lps)
-        if raw_reward is not None:
-            rewards.append(_scalar(raw_reward[int(_scalar(s["rollout_position"]))]))
-        else:
-            rewards.append(_scalar(s.get("rewards")))
+        reward = _scalar(raw_reward[int(_scalar(s["rollout_position"]))]) if raw_reward is not None else _scalar(s.get("rewards"))
+        if reward is not None and (isinstance(reward, bool) or not isinstance(reward, (int, float))):
+            raise UserError(f"{where}: field 'rewards' must be a number, got {type(reward).__name__} {reward!r:.40}")
+        rewards.append(reward)
         prompt_lens.append(T - R)
     lens = np.array([len(t) for t in cols["tokens"]], dtype=np.int64)
     cat = {k: (np.concatenate(v) if v else np.zeros(0)) for k, v in cols.items()}

@@ -58,8 +58,9 @@ def package_versions(packages: tuple[str, ...]) -> dict:
 
 def to_numpy(*tensors):
     """numpy arrays of torch tensors (any device) or array-likes, with ONE device-to-host copy for all the
-    torch tensors of a call: they are flattened into one float64 buffer on their device first (token ids
-    and logps are exact in float64), copied once, and split again. None stays None."""
+    torch tensors of a call: they are flattened into one 64-bit buffer on their device first -- integer
+    and bool tensors as int64, floating ones as float64 reinterpreted bit for bit as int64 (so ids above
+    2^53 and every float stay exact) -- copied once, and split again. None stays None."""
     torch = sys.modules.get("torch")
     is_t = [torch is not None and isinstance(x, torch.Tensor) for x in tensors]
     out = [None if x is None else (x if t else np.asarray(x)) for x, t in zip(tensors, is_t)]
@@ -68,7 +69,11 @@ def to_numpy(*tensors):
         return out
     parts = [tensors[i].detach() for i in idx]
     device = parts[0].device
-    flat = torch.cat([p.to(device=device, dtype=torch.float64).reshape(-1) for p in parts]).cpu().numpy()
+    def bits(p):
+        p = p.to(device=device).reshape(-1)
+        return p.to(torch.float64).view(torch.int64) if p.dtype.is_floating_point else p.to(torch.int64)
+
+    flat = torch.cat([bits(p) for p in parts]).cpu().numpy()
     at = 0
     for i, p in zip(idx, parts):
         n = p.numel()
@@ -76,8 +81,8 @@ def to_numpy(*tensors):
         at += n
         if p.dtype == torch.bool:
             chunk = chunk != 0
-        elif not p.dtype.is_floating_point:
-            chunk = chunk.astype(np.int64)
+        elif p.dtype.is_floating_point:
+            chunk = chunk.view(np.float64)
         out[i] = chunk
     return out
 
@@ -156,6 +161,8 @@ class Recorder:
         tables = step_tables(self.run_id, step, ids, a, self.scorer, texts=self._texts)
         part = self._parts[step]
         name = f"rank-{self.rank:05d}-part-{part:04d}"
+        if part == 0:  # this process's first call for the step: a resumed job replaces what it logged before
+            shards.drop_rank_step(self.root, self.run_id, step, self.rank)
         with shards.Transaction(self.root) as tx:
             for table, data in tables.items():
                 tx.add(table, self.run_id, step, name, data)

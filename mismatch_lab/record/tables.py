@@ -68,6 +68,9 @@ class StepArrays:
         for name, values in (self.sequence_columns or {}).items():
             if len(values) != B:
                 raise ValueError(f"sequence column {name} has {len(values)} values, expected {B}")
+        ids = np.asarray(self.token_ids)[np.asarray(self.mask).astype(bool)]  # stored as INTEGER: no wrap
+        if ids.size and (ids.min() < 0 or ids.max() >= 2**31):
+            raise ValueError(f"token_ids at response positions must lie in [0, 2^31), got {ids.min()}..{ids.max()}")
 
     def first_rows(self, n: int) -> StepArrays:
         """The first n sequences (max_sequences_per_step)."""

@@ -132,6 +132,18 @@ def shard_path(root: Path, table: str, run_id: str, step: int, name: str) -> Pat
     return root / table / run_id / f"step-{int(step):08d}" / f"{name}.parquet"
 
 
+def drop_rank_step(root: Path, run_id: str, step: int, rank: int) -> int:
+    """Remove rank `rank`'s committed shards of (run, step) in every step table, sequences first (the unit
+    turns invisible before its parts go); returns how many files were removed. A resumed writer calls it
+    before it logs the step again, so the step is replaced rather than added to."""
+    n = 0
+    for table in reversed(COMMIT_ORDER):  # = STEP_TABLES, sequences first
+        for f in sorted((root / table / run_id / f"step-{int(step):08d}").glob(f"rank-{int(rank):05d}-part-*.parquet")):
+            f.unlink()
+            n += 1
+    return n
+
+
 def _tmp(final: Path) -> Path:
     return final.with_name(f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
 

@@ -127,6 +127,8 @@ def test_two_files_into_one_run_do_not_collide(cli, tmp_path):
     ('{"step": 0, "token_ids": [1, 2], "logp_rollout": [-1, -2], "logp_trainer": [-1]}', "'logp_trainer' has a different length"),
     ('{"step": 0, "token_ids": [1, 2], "logp_rollout": [-1, -2]}', "'logp_trainer' is missing"),
     ('{"step": 0, "token_ids": [1, 2], "logp_rollout": [-1, -2], "logp_trainer": [-1, -2], "mask": [true]}', "'mask' has a different length"),
+    ('{"step": 0, "token_ids": [1, 2, 3], "logp_rollout": [-1, -2, -3], "logp_trainer": [-1, -2, -3], "advantage": [1.0]}',
+     "'advantage' has a different length"),
     ('{"step": -1, "token_ids": [1], "logp_rollout": [-1], "logp_trainer": [-1]}', "'step'"),
     ('{"token_ids": [1], "logp_rollout": [-1], "logp_trainer": [-1]}', "'step' is missing"),
     ('{"step": 0, "token_ids": [1], "logp_rollout": [-1], "logp_trainer": [-1], "rollout_topk_ids": [[1]]}', "go together"),

@@ -100,6 +100,11 @@ def test_misaligned_and_foreign_files(cli, tmp_path):
     torch.save(p, d / "3.pt")
     code, _, err = cli("import", "slime", d, "--out", tmp_path / "store", "--trust-pickle")
     assert code == 2 and "'log_probs' is missing" in err
+    p = slime_payload(3, seed=4)
+    p["raw_reward"][int(p["samples"][1]["rollout_position"])] = "x"  # rewards are read from raw_reward
+    torch.save(p, d / "3.pt")
+    code, _, err = cli("import", "slime", d, "--out", tmp_path / "store", "--trust-pickle")
+    assert code == 2 and "sample 1: field 'rewards' must be a number" in err
     (d / "3.pt").write_bytes(b"not a pickle")
     code, _, err = cli("import", "slime", d, "--out", tmp_path / "store", "--trust-pickle")
     assert code == 2 and "torch.load" in err

@@ -130,6 +130,24 @@ def test_relogging_a_step_after_a_restart_replaces_it_and_every_and_max_sequence
     assert tuple(map(int, cfg)) == (2, 3)
 
 
+def test_a_resumed_job_replaces_every_part_and_metric_it_logged_for_a_step(tmp_path):
+    ids, mask, lmu, lpi, *_ = _batch(3)
+    first = Recorder(tmp_path / "s", "r", framework="trl")
+    first.log_step(5, ids, mask, lmu, lpi, metrics={"loss/value": 1.0})  # part 0
+    first.log_step(5, ids, mask, lmu - 1.0, lpi)  # part 1 of the same step
+    first.log_step(6, ids, mask, lmu, lpi)
+    resumed = Recorder(tmp_path / "s", "r", framework="trl")  # restarts at step 5, logs it once, no metrics
+    resumed.log_step(5, ids, mask, lmu - 2.0, lpi)
+    resumed.close()
+    con = open_store(tmp_path / "s")
+    n = int(mask.sum())
+    assert con.execute("SELECT step, count(*) FROM tokens JOIN sequences USING (run_id, seq_id) GROUP BY step "
+                       "ORDER BY step").fetchall() == [(5, n), (6, n)]
+    got = con.execute("SELECT min(logp_rollout) FROM tokens JOIN sequences USING (run_id, seq_id) WHERE step = 5").fetchone()[0]
+    assert got == pytest.approx(float((lmu - 2.0)[mask].min()))
+    assert con.execute("SELECT count(*) FROM train_metrics").fetchone() == (0,)
+
+
 _KILLED = textwrap.dedent("""
     import os, signal, sys, torch
     from mismatch_lab.record import Recorder
@@ -178,11 +196,11 @@ def test_a_killed_writer_loses_only_the_unit_in_flight(tmp_path):
 
 
 def test_torch_tensors_come_to_the_host_exactly_in_one_copy():
-    ids = torch.tensor([[2**40 + 3, 5]])
+    ids = torch.tensor([[2**60 + 1, 5]])  # above 2^53: exact only if ids never pass through float64
     mask = torch.tensor([[True, False]])
     lp = torch.tensor([[-0.1234567, float("nan")]], dtype=torch.float32)
     a, m, b, none = to_numpy(ids, mask, lp, None)
-    assert a.dtype == np.int64 and a.tolist() == [[2**40 + 3, 5]]
+    assert a.dtype == np.int64 and a.tolist() == [[2**60 + 1, 5]]
     assert m.dtype == bool and m.tolist() == [[True, False]]
     assert b[0, 0] == np.float64(np.float32(-0.1234567)) and np.isnan(b[0, 1]) and none is None
     copies = []
@@ -208,6 +226,8 @@ def test_bad_input_is_an_error_naming_the_field(tmp_path):
         rec.log_step(0, ids, ok, torch.zeros(2, 3), torch.zeros(2, 4))
     with pytest.raises(UserError, match="advantages has shape"):
         rec.log_step(0, ids, ok, torch.zeros(2, 3), torch.zeros(2, 3), advantages=torch.zeros(3))
+    with pytest.raises(UserError, match=r"token_ids at response positions must lie in \[0, 2\^31\)"):
+        rec.log_step(0, torch.full((2, 3), 2**33), ok, torch.zeros(2, 3), torch.zeros(2, 3))
     with pytest.raises(UserError, match="run name"):
         Recorder(tmp_path / "s", "a/b", framework="trl")
     with pytest.raises(UserError, match="rollout_engine"):
