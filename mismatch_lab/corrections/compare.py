@@ -53,7 +53,7 @@ def variants(overrides: Mapping[str, Mapping[str, float]] | None = None) -> list
             from mismatch_lab.corrections.defaults import CLIP_HIGHER_EPS
 
             extra = {"eps_high": CLIP_HIGHER_EPS} | dict(overrides.get("grpo_clip_higher", {}))
-            out.append(Variant("grpo_clip_higher", m, m.resolve(extra)))
+            out.append(Variant("grpo_clip_higher", m, m.resolve(extra, label="grpo_clip_higher")))
     return out
 
 

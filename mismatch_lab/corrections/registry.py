@@ -25,6 +25,7 @@ class Method:
     sign       whether the rule reads the advantage's sign;  needs: extra inputs ('topk')
     anchored   objectives: whether the trust region is measured against the anchor (False: pg_is, tis)
     reweights  corrections: whether u may differ from r_c (truncations); the others only drop tokens
+    below_one  parameters that must stay below 1 (a lower bound 1 − ε must stay positive)
     """
 
     name: str
@@ -39,20 +40,25 @@ class Method:
     needs: tuple[str, ...] = field(default=())
     anchored: bool = True
     reweights: bool = False
+    below_one: tuple[str, ...] = field(default=())
 
-    def resolve(self, overrides: Mapping[str, float] | None = None) -> dict[str, float]:
-        """The method's parameters: its defaults, then `overrides` (unknown names are an error)."""
+    def resolve(self, overrides: Mapping[str, float] | None = None, label: str | None = None) -> dict[str, float]:
+        """The method's parameters: its defaults, then `overrides` (unknown names are an error). `label`:
+        the name errors use (a variant such as grpo_clip_higher; default the method's)."""
+        name = label or self.name
         out = dict(self.params)
         for key, value in (overrides or {}).items():
             if key not in out:
                 known = ", ".join(out) or "none"
-                raise ValueError(f"{self.name} has no parameter {key!r} (its parameters: {known})")
+                raise ValueError(f"{name} has no parameter {key!r} (its parameters: {known})")
             if not float(value) > 0:
-                raise ValueError(f"{self.name}.{key}={value} must be > 0")
+                raise ValueError(f"{name}.{key}={value} must be > 0")
+            if key in self.below_one and not float(value) < 1:
+                raise ValueError(f"{name}.{key}={value} must be below 1 (the lower bound is 1 − {key})")
             out[key] = float(value)
         for lo, hi in (("low", "high"),):
             if lo in out and hi in out and not out[lo] < out[hi]:
-                raise ValueError(f"{self.name}: low={out[lo]} must be below high={out[hi]}")
+                raise ValueError(f"{name}: low={out[lo]} must be below high={out[hi]}")
         return out
 
 
@@ -64,14 +70,16 @@ def _objectives() -> list[Method]:
         Method("grpo", "objective", "token", {"eps_low": D.GRPO_EPS_LOW, "eps_high": D.GRPO_EPS_HIGH}, rules.grpo,
                "M = 0 where (A>0, ρ>1+ε_high) or (A<0, ρ<1−ε_low); w = r",
                "PPO/GRPO ratio clip (DPPO Eq. 10); ε_high 0.28 is DAPO's Clip-Higher (arXiv 2503.14476)",
-               "verl: clip_ratio_low/high 0.2 (0.28 Clip-Higher); TRL: epsilon / epsilon_high; slime: --eps-clip / --eps-clip-high", sign=True),
+               "verl: clip_ratio_low/high 0.2 (0.28 Clip-Higher); TRL: epsilon / epsilon_high; slime: --eps-clip / --eps-clip-high",
+               sign=True, below_one=("eps_low",)),
         Method("cispo", "objective", "token", {"cispo_eps_low": D.CISPO_EPS_LOW, "cispo_eps_high": D.CISPO_EPS_HIGH},
                rules.cispo, "M = 1; w = clip(ρ, 1−ε_low, 1+ε_high) · a/μ",
                "CISPO, MiniMax-M1 (arXiv 2506.13585); cap 3 as in the DPPO sanity test", "TRL: loss_type=cispo with epsilon_high=3.0 (TRL caps the weight at epsilon_high itself)"),
         Method("gspo", "objective", "sequence", {"gspo_eps_low": D.GSPO_EPS_LOW, "gspo_eps_high": D.GSPO_EPS_HIGH},
                rules.gspo, "sequence masked where s = exp(mean log ρ) leaves [1−ε_low, 1+ε_high] in A's direction; "
                "w = exp(mean log r)", "GSPO (arXiv 2507.18071), its clip ranges 3e-4 / 4e-4",
-               "verl: policy_loss.loss_mode=gspo; TRL: importance_sampling_level=sequence", sign=True),
+               "verl: policy_loss.loss_mode=gspo; TRL: importance_sampling_level=sequence", sign=True,
+               below_one=("gspo_eps_low",)),
         Method("gmpo", "objective", "sequence", {"gmpo_eps": D.GMPO_EPS}, rules.gmpo,
                "M = 0 where log ρ leaves ±ε in A's direction; w = exp(mean of the clipped log ρ)",
                "GMPO (arXiv 2507.20673), clip ±0.4 in log space", "verl: policy_loss.loss_mode=geo_mean", sign=True),

@@ -38,8 +38,11 @@ class Check:
 PAIR_NEEDS = "a store with scored tokens: `mismatch-lab doctor --model M` or `mismatch-lab collect`"
 STEP_NEEDS = ("a run over at least 3 training steps (`mismatch-lab train`, the Recorder, or "
               "`mismatch-lab import`)")
-BATCH_NEEDS = ("collect runs of one rollout at two generation batch sizes: `mismatch-lab collect --study S "
-               "--gen-batch 1` and `--gen-batch 8` into the same store (studies/batch-invariance/study.toml)")
+BATCH_NEEDS = ("collect runs of one rollout at two generation batch sizes, otherwise alike (same config and "
+               "model): `mismatch-lab collect --study S --gen-batch 1` and `--gen-batch 8` into the same store "
+               "(studies/batch-invariance/study.toml)")
+SKIPPED_NEEDS = ("a `collect` run (only collect writes skipped_prompts; recorded and imported stores have no "
+                 "such table)")
 
 CHECKS: tuple[Check, ...] = (
     Check("abs_dp_mean", "mean |π − μ| of the sampled token", B.ABS_DP, "pairs", "abs_dp_mean", ("verl",),
@@ -59,7 +62,7 @@ CHECKS: tuple[Check, ...] = (
           "seq_product_out", needs=PAIR_NEEDS),
     Check("nonfinite", "non-finite (token, scorer) rows", B.NONFINITE, "pairs", "n_nonfinite", needs=PAIR_NEEDS),
     Check("skipped_prompts", "prompts skipped (longer than the context)", B.SKIPPED, "skipped", "n_skipped",
-          needs=PAIR_NEEDS),
+          needs=SKIPPED_NEEDS),
     Check("growth", "OLS slope of the per-step mean |π − μ| (per step)", B.GROWTH, "steps", "slope",
           judged="ci_low", needs=STEP_NEEDS),
     Check("batch_tokens", "share of sequences not token-identical across generation batch sizes",

@@ -110,22 +110,9 @@ def steps(m: Measurements) -> pd.DataFrame:
 
 def batch(m: Measurements) -> pd.DataFrame:
     """Generation-batch invariance where the store measured it (module doc), with figure 7's SQL."""
-    from mismatch_lab.figures.batch import (
-        DEFAULT_SCORER_SETTING,
-        batch_settings,
-        rollout_batch_rows,
-    )
+    from mismatch_lab.figures.batch import batch_groups, batch_runs, rollout_batch_rows
 
-    runs = query(m.con, f"SELECT run_id, {d.ROLLOUT_LABEL_SQL} AS rollout, config FROM runs "
-                        "WHERE kind = 'collect' ORDER BY run_id")
-    if runs.empty:
-        return pd.DataFrame()
-    parsed = [batch_settings(c) for c in runs["config"]]
-    runs["batch"] = [b for b, _ in parsed]
-    runs["default_setting"] = [s == DEFAULT_SCORER_SETTING for _, s in parsed]  # as figure 7: default scoring first
-    runs = runs[runs["batch"].notna()].sort_values(["default_setting", "run_id"], ascending=[False, True])
-    per_batch = runs.drop_duplicates(["rollout", "batch"]).sort_values(["batch", "run_id"])
-    groups = {r: g for r, g in per_batch.groupby("rollout") if g["batch"].nunique() > 1}
+    groups = batch_groups(batch_runs(m.con))
     if not groups:
         return pd.DataFrame()
     res = rollout_batch_rows(m.con, groups)

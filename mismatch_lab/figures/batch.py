@@ -47,6 +47,53 @@ def batch_settings(config) -> tuple[int | None, tuple[int, int]]:
     return v, setting
 
 
+SETTING_KEYS = ("gen_batch", "score_batch_tokens", "score_chunk_rows")
+"""Config keys a batch-invariance comparison varies (with the scorer's batch_tokens / chunk_rows)."""
+
+
+def _comparable(config, model) -> str:
+    """What must be equal for two collect runs to be compared: their config without the batch settings,
+    and their model. Runs differing in anything else (seed, temperature, prompts, model) differ for
+    reasons batching has nothing to do with."""
+    try:
+        cfg = json.loads(config) if isinstance(config, str) else dict(config or {})
+    except ValueError:
+        cfg = {}
+    cfg = {k: v for k, v in (cfg if isinstance(cfg, dict) else {}).items() if k not in SETTING_KEYS}
+    cfg.setdefault("scorer", None)
+    if isinstance(cfg.get("scorer"), dict):  # an empty remainder is as good as no scorer entry
+        cfg["scorer"] = {k: v for k, v in cfg["scorer"].items() if k not in ("batch_tokens", "chunk_rows")} or None
+    return json.dumps([cfg, model], sort_keys=True, default=str)
+
+
+def batch_runs(con: duckdb.DuckDBPyConnection) -> pd.DataFrame:
+    """The collect runs a batch-invariance comparison may use: run_id, rollout, batch (generation batch),
+    setting (scorer batching), default_setting; per rollout only the runs that differ from each other in
+    the batch settings alone (`_comparable`; where several such sets exist, the one spanning the most batch
+    sizes), default scorer setting first, then by run_id."""
+    runs = query(con, f"SELECT run_id, {d.rollout_label_sql(None)} AS rollout, config, model FROM runs "
+                      "WHERE kind = 'collect' ORDER BY run_id")
+    parsed = [batch_settings(c) for c in runs["config"]]
+    runs["batch"] = [b for b, _ in parsed]
+    runs["setting"] = [st for _, st in parsed]
+    runs["default_setting"] = [st == DEFAULT_SCORER_SETTING for st in runs["setting"]]
+    runs["same"] = [_comparable(c, m) for c, m in zip(runs["config"], runs["model"])]
+    runs = runs[runs["batch"].notna()]
+    if not runs.empty:  # per rollout: the comparable set with the most batch sizes (then settings, then first run)
+        spread = runs.groupby(["rollout", "same"]).agg(nb=("batch", "nunique"), ns=("setting", "nunique"),
+                                                        first=("run_id", "min")).reset_index()
+        best = spread.sort_values(["nb", "ns", "first"], ascending=[False, False, True]).drop_duplicates("rollout")
+        runs = runs.merge(best[["rollout", "same"]], on=["rollout", "same"])
+    return runs.sort_values(["default_setting", "run_id"], ascending=[False, True]).reset_index(drop=True)
+
+
+def batch_groups(runs: pd.DataFrame) -> dict[str, pd.DataFrame]:
+    """rollout -> one run per generation batch size (the default scorer setting preferred), for rollouts
+    measured at two or more batch sizes."""
+    per_batch = runs.drop_duplicates(["rollout", "batch"]).sort_values(["batch", "run_id"])
+    return {r: g for r, g in per_batch.groupby("rollout") if g["batch"].nunique() > 1}
+
+
 # token pairs of two runs on the same (prompt_id, sample_idx), kept up to the first differing token
 _SHARED_PREFIX = """
     common AS (SELECT prompt_id, sample_idx FROM sequences WHERE run_id = $a
@@ -116,16 +163,8 @@ def fig7_batch_invariance(con: duckdb.DuckDBPyConnection, rows: Rows | None = No
     generation batch that differ only in the scorer's batch composition (`scorer.batch_tokens`, padded
     tokens per forward) or vocabulary chunk (`scorer.chunk_rows`), compared per scorer on the shared
     prefix: mean |Δ log π| and the share of bit-identical log π."""
-    runs = query(con, f"SELECT run_id, {d.rollout_label_sql(None)} AS rollout, config FROM runs "
-                      "WHERE kind = 'collect' ORDER BY run_id")
-    parsed = [batch_settings(c) for c in runs["config"]]
-    runs["batch"] = [b for b, _ in parsed]
-    runs["setting"] = [st for _, st in parsed]
-    runs["default_setting"] = [st == DEFAULT_SCORER_SETTING for st in runs["setting"]]
-    runs = runs[runs["batch"].notna()].sort_values(["default_setting", "run_id"], ascending=[False, True])
-    # rollout comparison: one run per (rollout, batch), preferring the default scorer setting
-    per_batch = runs.drop_duplicates(["rollout", "batch"]).sort_values(["batch", "run_id"])
-    rollout_groups = {r: g for r, g in per_batch.groupby("rollout") if g["batch"].nunique() > 1}
+    runs = batch_runs(con)
+    rollout_groups = batch_groups(runs)
     scorer_groups = {k: g.drop_duplicates("setting") for k, g in runs.groupby(["rollout", "batch"])
                      if g["setting"].nunique() > 1}
     if not rollout_groups and not scorer_groups:

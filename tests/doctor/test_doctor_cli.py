@@ -123,3 +123,14 @@ def test_corrections_report_a_pair_whose_every_token_is_non_finite(store, tmp_pa
     capsys.readouterr()
     assert main(["corrections", "--db", path, "--json", str(tmp_path)]) == 2
     assert "is a folder; pass a file path" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("setting", "message"), [
+    ("gspo.gspo_eps_low=1", "gspo.gspo_eps_low=1.0 must be below 1"),  # was: math domain error
+    ("grpo_clip_higher.eps_low=0", "grpo_clip_higher.eps_low=0.0 must be > 0"),  # names the variant set
+    ("grpo.eps_low=1.5", "grpo.eps_low=1.5 must be below 1"),
+])
+def test_corrections_overrides_out_of_range_exit_2_naming_the_setting(store, capsys, setting, message):
+    assert main(["corrections", "--db", store(Pair()), "--set", setting]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "\n" not in err.strip()

@@ -70,6 +70,17 @@ def test_batch_dependent_rollouts_fail_the_bitwise_gate(store):
     assert [a["rule"] for a in advice if a["rule"] == "batch"] == ["batch"]
 
 
+def test_runs_differing_in_more_than_the_batch_are_not_compared(store):
+    """A seed (or temperature, prompts, model) changes the samples for reasons batching has nothing to do
+    with: such runs give no batch-invariance number, however much their tokens differ."""
+    diverge = lambda s, pos: 99 if pos == 5 else pos
+    b1, b8 = _batch_pairs(0.6, diverge)
+    b8.config = b8.config | {"seed": 7}
+    checks, advice = _checks(store(b1, b8))
+    assert not [r for r in checks if r["check"].startswith("batch")]
+    assert not [a for a in advice if a["rule"] == "batch"]
+
+
 def test_a_store_without_steps_or_batches_says_what_would_measure_them(store):
     con = open_store(store(Pair()))
     dx = diagnose(con)
