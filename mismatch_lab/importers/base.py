@@ -293,6 +293,10 @@ def run_import(fmt: str, module, args, out=None) -> Summary:
     except BaseException:
         stager.tx.abort()
         _remove_empty(stager.dirs, root)
+        if old is None:  # a run this import created: its row goes too
+            (root / "runs" / run_id / "rank-00000.parquet").unlink(missing_ok=True)
+            if (root / "runs" / run_id).is_dir() and not any((root / "runs" / run_id).iterdir()):
+                os.rmdir(root / "runs" / run_id)
         if new_store:
             _remove_new_store(root)
         raise

@@ -223,12 +223,23 @@ class Transaction:
         pq.write_table(data, tmp, compression=COMPRESSION)
 
     def commit(self) -> int:
-        """Rename every staged file into place; returns how many shards were committed."""
+        """Rename every staged file into place; returns how many shards were committed. An exception
+        between the renames (an error, Ctrl-C) takes the renamed ones back out again, sequences first,
+        and leaves the rest staged for `abort()`: the transaction is wholly committed or not at all. (A
+        process killed outright between two renames cannot undo: the units whose sequences shard was
+        already renamed stay, the others stay invisible, `committed_files`.)"""
         for _table, tmp, _final in self._staged:
             _fsync(tmp)
         order = {t: i for i, t in enumerate(COMMIT_ORDER)}
-        for _table, tmp, final in sorted(self._staged, key=lambda s: order[s[0]]):
-            os.replace(tmp, final)
+        done: list[tuple[str, Path]] = []
+        try:
+            for table, tmp, final in sorted(self._staged, key=lambda s: order[s[0]]):
+                os.replace(tmp, final)
+                done.append((table, final))
+        except BaseException:
+            for _table, final in sorted(done, key=lambda d: -order[d[0]]):
+                final.unlink(missing_ok=True)
+            raise
         n, self._staged = len(self._staged), []
         return n
 

@@ -160,3 +160,39 @@ def test_lines_longer_than_a_read_block(cli, tmp_path, monkeypatch):
     store = tmp_path / "store"
     assert cli("import", "jsonl", write_jsonl(tmp_path / "long.jsonl", recs), "--out", store)[0] == 0
     _check(store, "long", naive_jsonl(recs))
+
+
+def test_ctrl_c_between_the_commit_renames_leaves_the_store_as_it_was(cli, tmp_path, monkeypatch):
+    """The commit renames shard after shard; an interrupt between two of them takes the renamed ones back
+    (and the new run's row), so importing again is the remedy and adds everything once."""
+    from mismatch_lab.store import shards
+
+    store = tmp_path / "store"
+    assert cli("import", "jsonl", write_jsonl(tmp_path / "a.jsonl", jsonl_lines(3, n=4)), "--out", store,
+               "--run-name", "kept")[0] == 0
+    before = store_files(store)
+    lines = [{"step": s, "token_ids": [1, 2], "logp_rollout": [-1.0, -2.0], "logp_trainer": [-1.1, -2.1]}
+             for s in (1, 2, 3)]
+    b = tmp_path / "b.jsonl"
+    b.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    real, seen = shards.os.replace, []
+
+    def interrupted(src, dst):
+        seen.append(dst)
+        if "sequences" in str(dst) and sum("sequences" in str(x) for x in seen) == 2:
+            raise KeyboardInterrupt
+        real(src, dst)
+
+    monkeypatch.setattr(shards.os, "replace", interrupted)
+    assert cli("import", "jsonl", b, "--out", store, "--run-name", "r")[0] == 130  # the CLI's exit on Ctrl-C
+    assert sum("sequences" in str(x) for x in seen) == 2  # the interrupt came between two commit renames
+    monkeypatch.setattr(shards.os, "replace", real)
+    assert store_files(store) == before
+    code, out, _ = cli("import", "jsonl", b, "--out", store, "--run-name", "r")
+    assert code == 0 and "1 read" in out
+    from mismatch_lab.store.reader import open_store
+
+    con = open_store(store)
+    assert con.execute("SELECT step, count(*) FROM sequences WHERE run_id = 'r' GROUP BY step ORDER BY step").fetchall() \
+        == [(1, 1), (2, 1), (3, 1)]
+    con.close()
