@@ -99,12 +99,17 @@ def test_a_contract_column_missing_from_a_parquet_file_reads_as_null(full_store,
     con.close()
 
 
-def test_a_partitioned_table_folder_is_read_with_its_hive_keys(full_store, tmp_path):
-    folder = tmp_path / "parts"
+def _export_partitioned(full_store, folder):
+    """runs and tokens as files, scores as a folder partitioned by scorer (scores/scorer=hf%3Afp32/...)."""
     _export(full_store, folder, tables=("runs", "tokens"))
     src = duckdb.connect(str(full_store.path), read_only=True)
     src.execute(f"COPY scores TO '{folder / 'scores'}' (FORMAT parquet, PARTITION_BY (scorer))")
     src.close()
+
+
+def test_a_partitioned_table_folder_is_read_with_its_hive_keys(full_store, tmp_path):
+    folder = tmp_path / "parts"
+    _export_partitioned(full_store, folder)
     con = open_store(folder)
     assert _count(con, "scores") == len(full_store.frames["scores"])
     assert {r[0] for r in con.execute("SELECT DISTINCT scorer FROM scores").fetchall()} == {"hf:fp32", "hf:bf16"}
@@ -162,10 +167,7 @@ def test_key_value_folders_above_a_store_are_not_read_as_columns(full_store, tmp
     con.close()
 
     folder = base / "parts"
-    _export(full_store, folder, tables=("runs", "tokens"))
-    src = duckdb.connect(str(full_store.path), read_only=True)
-    src.execute(f"COPY scores TO '{folder / 'scores'}' (FORMAT parquet, PARTITION_BY (scorer))")
-    src.close()
+    _export_partitioned(full_store, folder)
     con = open_store(folder)
     cols = [r[0] for r in con.execute("DESCRIBE scores").fetchall()]
     assert "seed" not in cols and "step" not in cols and cols.count("scorer") == 1
