@@ -177,67 +177,77 @@ def fig7_batch_invariance(con: duckdb.DuckDBPyConnection, rows: Rows | None = No
     fig, axes = panel_grid(n_panels, ncols=3, w=3.6, h=3.0, left=0.9)
     parts = []
     if not res.empty:
-        ticks = set()
-        for rollout, g in res.groupby("rollout"):
-            g = g.sort_values("batch")
-            c = DTYPE_COLORS.get(dtype_of(rollout), "k")
-            b0 = int(g["b0"].iloc[0])
-            lab = f"{rollout} (vs batch {b0})"
-            # the reference run against itself: every sequence identical, no difference (drawn hollow)
-            xs = [b0, *g["batch"]]
-            axes[0].plot(xs, [100.0, *(100 * g["frac_identical"])], "o-", color=c, label=lab)
-            axes[1].plot(xs, [0.0, *g["abs_dlogp_mean"].fillna(0)], "o-", color=c, label=lab)
-            for ax in axes[:2]:
-                ax.plot([b0], [100.0 if ax is axes[0] else 0.0], "o", color="white", ms=3)
-            ticks.update(xs)
-        axes[0].set_ylim(-3, 103)
-        axes[0].set_title("identical token sequences", fontsize=9)
-        axes[0].set_ylabel("sequences identical to the small-batch run (%)", fontsize=8)
-        axes[1].set_title("rollout log-prob difference on the shared prefix", fontsize=9)
-        axes[1].set_ylabel("mean |Δ log μ| (nats)", fontsize=8)
-        for ax in axes[:2]:
-            ax.set_xscale("log", base=2)
-            ax.set_xticks(sorted(ticks), [str(t) for t in sorted(ticks)])
-            ax.minorticks_off()
-            ax.set_xlabel("generation batch size (requests per engine call)", fontsize=8)
-            ax.tick_params(labelsize=7)
-            ax.legend(fontsize=7)
-        parts.append(
-            "Rollout panels: the same prompts and per-request seeds generated at different generation batch sizes "
-            "(runs.config gen_batch; 0 = the whole chunk of chunk_prompts × samples requests), compared request "
-            "by request on (prompt_id, sample_idx) against the run of the smallest batch size of the same rollout: "
-            + "; ".join(f"{r.rollout} batch {r.b0} vs {r.batch}: n = {int(r.n_seq):,} sequences, "
-                        f"{100 * r.frac_identical:.0f} % identical, mean |Δ log μ| {r.abs_dlogp_mean:.2g} over "
-                        f"{int(r.n_tok or 0):,} prefix tokens" for r in res.itertuples())
-            + ". |Δ log μ| is averaged over the positions before the first differing token (identical prefixes); "
-            "the hollow point is the reference run itself (100 %, 0 by definition).")
+        parts.append(_rollout_panels(axes[0], axes[1], res))
     if not sres.empty:
-        ax = axes[-1]
-        sres = sres.assign(label=[f"{r.rollout} b{r.batch}: {_setting_label(r.setting)}" for r in sres.itertuples()])
-        labels = list(dict.fromkeys(sres["label"]))
-        scorers = sorted(sres["scorer"].unique(), key=lambda s: pair_key("", s))
-        width = 0.8 / len(scorers)
-        for k, sc in enumerate(scorers):
-            g = sres[sres["scorer"] == sc].set_index("label").reindex(labels)
-            xs = np.arange(len(labels)) + (k - (len(scorers) - 1) / 2) * width
-            ax.bar(xs, g["abs_dlogp_mean"].fillna(0), width, color=DTYPE_COLORS.get(dtype_of(sc), "k"), label=sc)
-            for x, v, ident in zip(xs, g["abs_dlogp_mean"], g["frac_identical"]):
-                if pd.notna(v):
-                    ax.annotate(f"{100 * ident:.0f}% =", (x, v), ha="center", va="bottom", fontsize=6)
-        ax.set_xticks(np.arange(len(labels)), [lab.split(": ", 1)[1] for lab in labels], fontsize=6, rotation=15)
-        ax.set_title("trainer scores vs scorer batching", fontsize=9)
-        ax.set_ylabel("mean |Δ log π| vs default batching (nats)", fontsize=8)
-        ax.set_xlabel("scorer setting compared with 8192 tok/fwd, 1024 rows/chunk (setting)", fontsize=8)
-        ax.tick_params(labelsize=7)
-        ax.legend(fontsize=7)
-        parts.append(
-            "Scorer panel: runs of one rollout and generation batch (same sequences) scored with a different "
-            "scorer batch composition (padded tokens per forward; 1 = one sequence per forward) or vocabulary "
-            "chunk (rows per chunk), compared per scorer on the shared prefix against the default setting "
-            "(8192 tokens per forward, 1024 rows per chunk); the label above a bar is the share of bit-identical "
-            "log π: " + "; ".join(f"{r.scorer} {r.rollout} b{r.batch} {_setting_label(r.setting)}: n = "
-                                  f"{int(r.n_tok):,} tokens, {100 * r.frac_identical:.0f} % bit-identical, mean "
-                                  f"|Δ log π| {r.abs_dlogp_mean:.2g}, max {r.abs_dlogp_max:.2g}"
-                                  for r in sres.itertuples()) + ".")
+        parts.append(_scorer_panel(axes[-1], sres))
     title = "Batch invariance of the rollout engine and the trainer's scorer"
     return [("fig7_batch_invariance", finish(fig, title, " ".join(parts)))]
+
+
+def _rollout_panels(ax_share, ax_dlogp, res: pd.DataFrame) -> str:
+    """Figure 7's rollout panels (identical sequences, |Δ log μ| by batch size); returns their caption."""
+    axes = [ax_share, ax_dlogp]
+    ticks = set()
+    for rollout, g in res.groupby("rollout"):
+        g = g.sort_values("batch")
+        c = DTYPE_COLORS.get(dtype_of(rollout), "k")
+        b0 = int(g["b0"].iloc[0])
+        lab = f"{rollout} (vs batch {b0})"
+        # the reference run against itself: every sequence identical, no difference (drawn hollow)
+        xs = [b0, *g["batch"]]
+        axes[0].plot(xs, [100.0, *(100 * g["frac_identical"])], "o-", color=c, label=lab)
+        axes[1].plot(xs, [0.0, *g["abs_dlogp_mean"].fillna(0)], "o-", color=c, label=lab)
+        for ax in axes:
+            ax.plot([b0], [100.0 if ax is axes[0] else 0.0], "o", color="white", ms=3)
+        ticks.update(xs)
+    axes[0].set_ylim(-3, 103)
+    axes[0].set_title("identical token sequences", fontsize=9)
+    axes[0].set_ylabel("sequences identical to the small-batch run (%)", fontsize=8)
+    axes[1].set_title("rollout log-prob difference on the shared prefix", fontsize=9)
+    axes[1].set_ylabel("mean |Δ log μ| (nats)", fontsize=8)
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted(ticks), [str(t) for t in sorted(ticks)])
+        ax.minorticks_off()
+        ax.set_xlabel("generation batch size (requests per engine call)", fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.legend(fontsize=7)
+    return (
+        "Rollout panels: the same prompts and per-request seeds generated at different generation batch sizes "
+        "(runs.config gen_batch; 0 = the whole chunk of chunk_prompts × samples requests), compared request "
+        "by request on (prompt_id, sample_idx) against the run of the smallest batch size of the same rollout: "
+        + "; ".join(f"{r.rollout} batch {r.b0} vs {r.batch}: n = {int(r.n_seq):,} sequences, "
+                    f"{100 * r.frac_identical:.0f} % identical, mean |Δ log μ| {r.abs_dlogp_mean:.2g} over "
+                    f"{int(r.n_tok or 0):,} prefix tokens" for r in res.itertuples())
+        + ". |Δ log μ| is averaged over the positions before the first differing token (identical prefixes); "
+        "the hollow point is the reference run itself (100 %, 0 by definition).")
+
+
+def _scorer_panel(ax, sres: pd.DataFrame) -> str:
+    """Figure 7's scorer panel (|Δ log π| per scorer setting); returns its caption."""
+    sres = sres.assign(label=[f"{r.rollout} b{r.batch}: {_setting_label(r.setting)}" for r in sres.itertuples()])
+    labels = list(dict.fromkeys(sres["label"]))
+    scorers = sorted(sres["scorer"].unique(), key=lambda s: pair_key("", s))
+    width = 0.8 / len(scorers)
+    for k, sc in enumerate(scorers):
+        g = sres[sres["scorer"] == sc].set_index("label").reindex(labels)
+        xs = np.arange(len(labels)) + (k - (len(scorers) - 1) / 2) * width
+        ax.bar(xs, g["abs_dlogp_mean"].fillna(0), width, color=DTYPE_COLORS.get(dtype_of(sc), "k"), label=sc)
+        for x, v, ident in zip(xs, g["abs_dlogp_mean"], g["frac_identical"]):
+            if pd.notna(v):
+                ax.annotate(f"{100 * ident:.0f}% =", (x, v), ha="center", va="bottom", fontsize=6)
+    ax.set_xticks(np.arange(len(labels)), [lab.split(": ", 1)[1] for lab in labels], fontsize=6, rotation=15)
+    ax.set_title("trainer scores vs scorer batching", fontsize=9)
+    ax.set_ylabel("mean |Δ log π| vs default batching (nats)", fontsize=8)
+    ax.set_xlabel("scorer setting compared with 8192 tok/fwd, 1024 rows/chunk (setting)", fontsize=8)
+    ax.tick_params(labelsize=7)
+    ax.legend(fontsize=7)
+    return (
+        "Scorer panel: runs of one rollout and generation batch (same sequences) scored with a different "
+        "scorer batch composition (padded tokens per forward; 1 = one sequence per forward) or vocabulary "
+        "chunk (rows per chunk), compared per scorer on the shared prefix against the default setting "
+        "(8192 tokens per forward, 1024 rows per chunk); the label above a bar is the share of bit-identical "
+        "log π: " + "; ".join(f"{r.scorer} {r.rollout} b{r.batch} {_setting_label(r.setting)}: n = "
+                              f"{int(r.n_tok):,} tokens, {100 * r.frac_identical:.0f} % bit-identical, mean "
+                              f"|Δ log π| {r.abs_dlogp_mean:.2g}, max {r.abs_dlogp_max:.2g}"
+                              for r in sres.itertuples()) + ".")
