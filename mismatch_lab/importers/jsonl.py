@@ -127,7 +127,10 @@ def _batches(path: Path, row0: int, batch: pa.RecordBatch):
         inner_ids, inner_lps = pc.list_flatten(ki), pc.list_flatten(kl)
         if len(inner_ids) == len(inner_lps):  # else a per-row length is wrong, which check_aligned reports
             row_of = rows_both[pc.list_parent_indices(ki).to_numpy()]
-            for bad_tok, message in ((lengths(inner_ids) != lengths(inner_lps),
+            null_entry = (inner_ids.is_null().to_numpy(zero_copy_only=False)
+                          | inner_lps.is_null().to_numpy(zero_copy_only=False))  # as the line-by-line path
+            for bad_tok, message in ((null_entry, "field 'rollout_topk_ids' must be a list (one per token) of lists"),
+                                     (lengths(inner_ids) != lengths(inner_lps),
                                       "rollout_topk_ids and rollout_topk_logps have different shapes"),
                                      (has_null_items(inner_ids), "field 'rollout_topk_ids' has a null item")):
                 bad_row = np.zeros(batch.num_rows, dtype=bool)

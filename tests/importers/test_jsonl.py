@@ -134,6 +134,8 @@ def test_two_files_into_one_run_do_not_collide(cli, tmp_path):
     ('{"step": 0, "token_ids": [1], "logp_rollout": [-1], "logp_trainer": [-1], "rollout_topk_ids": [[1]]}', "go together"),
     ('{"step": 0, "token_ids": [1], "logp_rollout": [-1], "logp_trainer": [-1], "rollout_topk_ids": [[1, 2]], "rollout_topk_logps": [[-1]]}',
      "different shapes"),
+    (('{"step": 0, "token_ids": [1, 2], "logp_rollout": [-1, -2], "logp_trainer": [-1, -2], "rollout_topk_ids": [[1], null], '
+      '"rollout_topk_logps": [[-1], null]}'), "must be a list (one per token) of lists"),
     ('{"step": 0, "token_ids": [1], "logp_rollout": [-1], "logp_trainer": [-1], "rank": 5000}', "'rank'"),
     ('{"step": 0, "token_ids": [1, 2], "logp_rollout": [-1, -2], "logp_trainer": [-1, -2]', "not valid JSON"),
     ('[1, 2, 3]', "not a JSON object"),
