@@ -507,7 +507,9 @@ def line_chart(data: pd.DataFrame, x: str, y: str, color: str, *, x_title: str, 
         .encode(
             x=alt.X(f"{x}:Q", title=x_title, axis=alt.Axis(format="d", tickMinStep=1)),  # steps and positions
             y=alt.Y(f"{y}:Q", title=y_title),
-            color=alt.Color(f"{color}:N", title=color),
+            # past ten lines the default ten-colour scheme repeats: twenty colours (the stability study has 11 runs)
+            color=alt.Color(f"{color}:N", title=color,
+                            scale=alt.Scale(scheme="tableau20" if data[color].nunique() > 10 else "tableau10")),
             tooltip=[alt.Tooltip(f"{x}:Q"), alt.Tooltip(f"{y}:Q", format=".4g"), alt.Tooltip(f"{color}:N")],
         )
     )

@@ -256,3 +256,12 @@ def _no_background_warm_up(monkeypatch):
     """AppTest runs without the app's warm-up thread, so no test races another test's background queries;
     the warm-up has tests of its own and runs in the browser test's real server."""
     monkeypatch.setenv("MISMATCH_LAB_APP_WARMUP", "0")
+
+
+@pytest.fixture
+def lab_ui(monkeypatch):
+    """The app's UI helpers module (apps/lab_ui.py), imported in this process."""
+    monkeypatch.syspath_prepend(str(APP.parent))
+    import lab_ui
+
+    return lab_ui

@@ -150,14 +150,6 @@ def test_the_served_app_stopped_while_the_warm_up_queries_exits_cleanly(big_stud
 # --- the parts, in this process -----------------------------------------------------------------------
 
 
-@pytest.fixture
-def lab_ui(monkeypatch):
-    monkeypatch.syspath_prepend(str(APP.parent))
-    import lab_ui
-
-    return lab_ui
-
-
 def test_stop_interrupts_the_warm_up_inside_its_query_and_joins_it(lab_ui, big_study):
     from mismatch_lab.analysis import browse
 
