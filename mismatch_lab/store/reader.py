@@ -138,7 +138,11 @@ def _hive_folder(folder: Path, types: dict[str, str]) -> str:
                               for part in f.relative_to(folder).parent.parts if "=" in part))
     reader = (f"read_parquet({_quote(str(folder / '**' / '*.parquet'))}, union_by_name = true, "
               "hive_partitioning = false, filename = '_ml_file')")
-    present = {r[0] for r in duckdb.connect().execute(f"DESCRIBE SELECT * FROM {reader}").fetchall()}
+    scratch = duckdb.connect()
+    try:
+        present = {r[0] for r in scratch.execute(f"DESCRIBE SELECT * FROM {reader}").fetchall()}
+    finally:
+        scratch.close()
     start = len(str(folder)) + 2  # the path below the folder, 1-based
 
     def value(key: str) -> str:
