@@ -141,6 +141,8 @@ def _hive_folder(folder: Path, types: dict[str, str]) -> str:
     scratch = duckdb.connect()
     try:
         present = {r[0] for r in scratch.execute(f"DESCRIBE SELECT * FROM {reader}").fetchall()}
+    except duckdb.Error as exc:
+        raise UserError(f"cannot read {folder} as Parquet ({_last_line(exc)}); re-export the store") from exc
     finally:
         scratch.close()
     start = len(str(folder)) + 2  # the path below the folder, 1-based
