@@ -195,7 +195,7 @@ def _open_parquet_dir(d: Path) -> duckdb.DuckDBPyConnection:
             present = {r[0] for r in con.execute(f"DESCRIBE SELECT * FROM {reader}").fetchall()}
         except duckdb.Error as exc:
             con.close()
-            raise UserError(f"cannot read {src} as Parquet ({_last_line(exc)}); re-export the store") from exc
+            raise UserError(f"cannot read the {table} table of {d} as Parquet ({_last_line(exc)}); re-export the store") from exc
         absent = [(name, typ) for name, typ in contract[table] if name not in present]
         for name, _ in absent:
             con.execute(f"INSERT INTO {FILLED_COLUMNS} VALUES (?, ?)", [table, name])
@@ -213,4 +213,5 @@ def _ddl_table(stmt: str) -> str:
 
 
 def _last_line(exc: BaseException | None) -> str:
-    return str(exc).strip().splitlines()[-1] if exc else "unknown error"
+    """The message's last line, without DuckDB's 'LINE n:' excerpt of the query (and its caret line)."""
+    return str(exc).strip().split("\n\nLINE ")[0].splitlines()[-1] if exc else "unknown error"

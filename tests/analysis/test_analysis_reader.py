@@ -174,3 +174,16 @@ def test_key_value_folders_above_a_store_are_not_read_as_columns(full_store, tmp
     assert {r[0] for r in con.execute("SELECT DISTINCT scorer FROM scores").fetchall()} == {"hf:fp32", "hf:bf16"}
     assert _count(con, "scores") == len(full_store.frames["scores"])
     con.close()
+
+
+def test_a_file_that_is_not_parquet_is_a_one_line_error_naming_it(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "tokens.parquet").write_text("junk")
+    (tmp_path / "b" / "scores" / "scorer=x").mkdir(parents=True)
+    (tmp_path / "b" / "scores" / "scorer=x" / "p.parquet").write_text("junk")
+    for folder, names in (("a", "the tokens table of"), ("b", "scores as Parquet")):
+        with pytest.raises(UserError, match="cannot read") as exc:
+            open_store(tmp_path / folder)
+        message = str(exc.value)
+        assert names in message and "too small to be a Parquet file" in message
+        assert "\n" not in message and "LINE 1" not in message
