@@ -121,7 +121,7 @@ def run_checks(m: Measurements, names: tuple[str, ...] | None = None) -> tuple[l
         table = m.get(check.measure)
         found = check_rows(check, table)
         rows += found
-        if not found:
+        if table.empty:
             missing.append({"check": check.name, "title": check.title, "needs": check.needs, "pair": None,
                             "gates": list(check.gates)})
             continue

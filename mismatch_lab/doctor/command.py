@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
         dx = diagnose(con, store, args.gate)
     finally:
         con.close()
-    if args.gate and not any(args.gate in r["gates"] for r in dx.checks):
+    if args.gate and not any(args.gate in r["gates"] for r in [*dx.checks, *dx.failed]):
         raise UserError(f"--gate {args.gate}: {store} holds nothing its checks measure (no scored tokens); "
                         "pass a store with rollout and scorer log-probs, or probe one with --model")
     print(text_report(dx))

@@ -3,7 +3,8 @@ the one-screen text report, the JSON document (`--json`), and the app's table (`
 
 JSON: {"store", "gate", "gate_exit", "checks": [{pair, check, value, band, source, verdict, run_id, title,
 metric, gates, detail}], "recommendations": [{rule, advice, because, numbers}], "not_measured": [{check,
-title, needs}]}; NaN and ±inf are written as null.
+title, needs, pair, gates}]} (pair: null when the store gives the check nothing at all, else the pair the
+store holds but the check got no number for); NaN and ±inf are written as null.
 """
 
 from __future__ import annotations

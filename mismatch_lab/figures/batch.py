@@ -47,8 +47,10 @@ def batch_settings(config) -> tuple[int | None, tuple[int, int]]:
     return v, setting
 
 
-SETTING_KEYS = ("gen_batch", "score_batch_tokens", "score_chunk_rows")
-"""Config keys a batch-invariance comparison varies (with the scorer's batch_tokens / chunk_rows)."""
+SETTING_KEYS = ("gen_batch", "chunk_prompts", "score_batch_tokens", "score_chunk_rows")
+"""Config keys a batch-invariance comparison varies (with the scorer's batch_tokens / chunk_rows);
+chunk_prompts too: with gen_batch 0 it is the batch size (chunk_prompts × samples), and it schedules
+requests without changing prompts or their seeds."""
 
 
 def _comparable(config, model) -> str:

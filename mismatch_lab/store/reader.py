@@ -17,11 +17,13 @@ Anything else raises `UserError` naming the fix.
 from __future__ import annotations
 
 import atexit
+import os
 import re
 import shutil
 import tempfile
 import time
 from pathlib import Path
+from urllib.parse import unquote
 
 import duckdb
 
@@ -132,31 +134,49 @@ def _parquet_sources(d: Path, contract: dict[str, list[tuple[str, str]]] | None 
 
 def _hive_folder(folder: Path, types: dict[str, str]) -> str:
     """A relation over every Parquet file below `folder` plus one column per `key=value` folder name
-    below it (table/scorer=hf:fp32/...), typed as the contract column of that name (else VARCHAR); as in
-    hive partitioning, a key replaces a file column of the same name."""
-    keys = list(dict.fromkeys(part.split("=", 1)[0] for f in folder.rglob("*.parquet")
-                              for part in f.relative_to(folder).parent.parts if "=" in part))
+    below it (table/scorer=hf:fp32/...), URL-decoded and typed as the contract column of that name (else
+    VARCHAR); as in hive partitioning, a key replaces a file column of the same name (in the files below
+    such a folder; files elsewhere keep their own values). A value that is not of its column's type is a
+    UserError naming the folder."""
+    folder = Path(os.path.abspath(folder))  # DuckDB reports file names normalised ('..' resolved)
+    values: dict[str, set[str]] = {}
+    for f in folder.rglob("*.parquet"):
+        for part in f.relative_to(folder).parent.parts:
+            if "=" in part:
+                key, value = part.split("=", 1)
+                values.setdefault(key, set()).add(unquote(value))
     reader = (f"read_parquet({_quote(str(folder / '**' / '*.parquet'))}, union_by_name = true, "
               "hive_partitioning = false, filename = '_ml_file')")
     scratch = duckdb.connect()
     try:
         present = {r[0] for r in scratch.execute(f"DESCRIBE SELECT * FROM {reader}").fetchall()}
+        for key, vals in values.items():
+            typ = types.get(key, "VARCHAR")
+            vals = sorted(v for v in vals if v not in ("", "__HIVE_DEFAULT_PARTITION__"))
+            bad = scratch.execute(f"SELECT v FROM unnest(?::VARCHAR[]) t(v) WHERE TRY_CAST(v AS {typ}) IS NULL",
+                                  [vals]).fetchall()
+            if bad:
+                raise UserError(f"{folder}: the folder {key}={bad[0][0]} does not hold a {typ} value ({key} is a {typ} "
+                                "column of the contract); rename the partition folder")
     except duckdb.Error as exc:
         raise UserError(f"cannot read {folder} as Parquet ({_last_line(exc)}); re-export the store") from exc
     finally:
         scratch.close()
-    start = len(str(folder)) + 2  # the path below the folder, 1-based
+    below = f"replace(substr(_ml_file, {len(str(folder)) + 2}), '\\', '/')"  # the path below the folder
+
+    def pattern(key: str) -> str:
+        return _quote(f"(^|/){re.escape(key)}=([^/]*)/")
 
     def value(key: str) -> str:
-        pattern = _quote(f"(^|/){re.escape(key)}=([^/]*)/")
-        raw = f"url_decode(regexp_extract(substr(_ml_file, {start}), {pattern}, 2))"
+        raw = f"url_decode(regexp_extract({below}, {pattern(key)}, 2))"
         return f"TRY_CAST(nullif(nullif({raw}, ''), '__HIVE_DEFAULT_PARTITION__') AS {types.get(key, 'VARCHAR')})"
 
     def name(key: str) -> str:
         return '"' + key.replace('"', '""') + '"'
 
-    replaced = [f"{value(k)} AS {name(k)}" for k in keys if k in present]
-    added = "".join(f", {value(k)} AS {name(k)}" for k in keys if k not in present)
+    replaced = [f"CASE WHEN regexp_matches({below}, {pattern(k)}) THEN {value(k)} ELSE {name(k)} END AS {name(k)}"
+                for k in values if k in present]
+    added = "".join(f", {value(k)} AS {name(k)}" for k in values if k not in present)
     star = "* EXCLUDE (_ml_file)" + (f" REPLACE ({', '.join(replaced)})" if replaced else "")
     return f"(SELECT {star}{added} FROM {reader})"
 

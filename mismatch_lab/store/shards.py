@@ -225,7 +225,7 @@ class Transaction:
     def commit(self) -> int:
         """Rename every staged file into place; returns how many shards were committed. An exception
         between the renames (an error, Ctrl-C) takes the renamed ones back out again, sequences first,
-        and leaves the rest staged for `abort()`: the transaction is wholly committed or not at all. (A
+        and removes the rest: the transaction is wholly committed or not at all. (A
         process killed outright between two renames cannot undo: the units whose sequences shard was
         already renamed stay, the others stay invisible, `committed_files`.)"""
         for _table, tmp, _final in self._staged:
@@ -238,7 +238,8 @@ class Transaction:
                 done.append((table, final))
         except BaseException:
             for _table, final in sorted(done, key=lambda d: -order[d[0]]):
-                final.unlink(missing_ok=True)
+                final.unlink(missing_ok=True)  # (a shard it had replaced under the same name is not restored)
+            self.abort()  # the staged files not renamed yet
             raise
         n, self._staged = len(self._staged), []
         return n

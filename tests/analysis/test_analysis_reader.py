@@ -187,3 +187,30 @@ def test_a_file_that_is_not_parquet_is_a_one_line_error_naming_it(tmp_path):
         message = str(exc.value)
         assert names in message and "too small to be a Parquet file" in message
         assert "\n" not in message and "LINE 1" not in message
+
+
+def test_partition_keys_through_dotdot_paths_mixed_files_and_bad_values(full_store, tmp_path):
+    folder = tmp_path / "parts"
+    _export_partitioned(full_store, folder)
+    want = {"hf:fp32", "hf:bf16"}
+    con = open_store(tmp_path / "parts" / ".." / "parts")  # DuckDB reports the file names without '..'
+    assert {r[0] for r in con.execute("SELECT DISTINCT scorer FROM scores").fetchall()} == want
+    con.close()
+    # a file outside any scorer= folder keeps its own scorer values
+    src = duckdb.connect(str(full_store.path), read_only=True)
+    src.execute(f"COPY (SELECT * FROM scores LIMIT 3) TO '{folder / 'scores' / 'loose.parquet'}' (FORMAT parquet)")
+    (loose,) = src.execute("SELECT DISTINCT scorer FROM (SELECT * FROM scores LIMIT 3)").fetchall()
+    src.close()
+    con = open_store(folder)
+    assert con.execute("SELECT count(*) FROM scores WHERE scorer IS NULL").fetchone() == (0,)
+    assert con.execute("SELECT count(*) FROM scores WHERE scorer = ?", [loose[0]]).fetchone()[0] > 0
+    con.close()
+    # a partition value that is not of its contract column's type is an error naming the folder
+    bad = tmp_path / "bad"
+    _export(full_store, bad, tables=("runs", "tokens"))
+    (bad / "sequences" / "step=abc").mkdir(parents=True)
+    src = duckdb.connect(str(full_store.path), read_only=True)
+    src.execute(f"COPY (SELECT * EXCLUDE (step) FROM sequences) TO '{bad / 'sequences' / 'step=abc' / 'p.parquet'}' (FORMAT parquet)")
+    src.close()
+    with pytest.raises(UserError, match=r"step=abc does not hold a INTEGER value"):
+        open_store(bad)

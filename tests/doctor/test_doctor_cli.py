@@ -134,3 +134,10 @@ def test_corrections_overrides_out_of_range_exit_2_naming_the_setting(store, cap
     assert main(["corrections", "--db", store(Pair()), "--set", setting]) == 2
     err = capsys.readouterr().err
     assert message in err and "\n" not in err.strip()
+
+
+def test_a_gate_fails_its_only_pair_when_it_could_not_measure_it(store, capsys):
+    blind = Pair(rollout="vllm:fp16", mu=0.01, pi=0.02, n_seq=1, length=10, nonfinite=1)
+    assert main(["doctor", "--db", store(blind), "--gate", "slime"]) == 1
+    out = capsys.readouterr().out
+    assert "gate slime: FAIL" in out and "finite values of vllm:fp16/hf:fp32" in out

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 from doctor_stores import Pair
@@ -87,3 +89,14 @@ def test_a_store_without_steps_or_batches_says_what_would_measure_them(store):
     con.close()
     assert {n["check"] for n in dx.not_measured} == {"growth", "batch_tokens", "batch_logp"}
     assert all(n["needs"] for n in dx.not_measured)
+
+
+def test_whole_chunk_runs_of_different_chunk_sizes_are_compared():
+    """With gen_batch 0 the batch is chunk_prompts x samples: runs differing in chunk_prompts are batch sizes."""
+    from mismatch_lab.figures.batch import _comparable
+
+    a = json.dumps({"gen_batch": 0, "chunk_prompts": 8, "samples": 1, "seed": 0})
+    b = json.dumps({"gen_batch": 0, "chunk_prompts": 32, "samples": 1, "seed": 0})
+    assert _comparable(a, "m") == _comparable(b, "m")
+    assert _comparable(a, "m") != _comparable(a.replace('"seed": 0', '"seed": 1'), "m")
+    assert _comparable(a, "m") != _comparable(a, "other-model")

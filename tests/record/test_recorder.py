@@ -270,3 +270,23 @@ def test_runs_lists_and_drops_a_run_of_a_shard_store(tmp_path, capsys):
     assert con.execute("SELECT DISTINCT run_id FROM tokens").fetchall() == [("keep",)]
     assert con.execute("SELECT run_id FROM runs").fetchall() == [("keep",)]
     assert main(["runs", "--db", str(tmp_path / "s"), "--drop", "gone"]) == 2  # no such run any more
+
+
+def test_an_interrupted_commit_leaves_neither_shards_nor_temporary_files(tmp_path, monkeypatch):
+    from mismatch_lab.store import shards as sh
+
+    ids, mask, lmu, lpi, *_ = _batch(3)
+    rec = Recorder(tmp_path / "s", "r", framework="trl")
+    real, calls = sh.os.replace, []
+
+    def interrupted(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        real(src, dst)
+
+    monkeypatch.setattr(sh.os, "replace", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        rec.log_step(0, ids, mask, lmu, lpi)
+    monkeypatch.setattr(sh.os, "replace", real)
+    assert not [p for p in (tmp_path / "s").rglob("*") if p.is_file() and "step-" in str(p)]
