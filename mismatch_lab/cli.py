@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from pathlib import Path
 
 from mismatch_lab.errors import UserError
 
@@ -38,6 +39,19 @@ SUBCOMMANDS = {
                     "every correction method (verl, TRL, slime, prime-rl, DPPO, ...) on the same tokens of a store"),
     "doctor": ("mismatch_lab.doctor.command", "verdicts on each rollout/trainer pair against published bands; a CI gate"),
 }
+
+
+def json_output(value: str | None, example: str = "out.json") -> Path | None:
+    """The file a command's `--json` writes (None without it), checked before any work is done: its folder
+    must exist and the path must not itself be a folder."""
+    if not value:
+        return None
+    path = Path(value)
+    if not path.parent.is_dir():
+        raise UserError(f"the folder of --json {path} does not exist; create it or pass another path")
+    if path.is_dir():
+        raise UserError(f"--json {path} is a folder; pass a file path, e.g. {path / example}")
+    return path
 
 
 def build_parser() -> argparse.ArgumentParser:

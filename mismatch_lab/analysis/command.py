@@ -16,11 +16,11 @@ import json
 import math
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
+from mismatch_lab.cli import json_output
 from mismatch_lab.errors import UserError
 
 # The column that splits each analysis into its sub-tables for printing (see run_all).
@@ -47,9 +47,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.top_n < 1:
         raise UserError(f"--top-n must be at least 1, got {args.top_n}")
-    json_path = Path(args.json) if args.json else None
-    if json_path is not None and not json_path.parent.exists():
-        raise UserError(f"the folder of --json {json_path} does not exist; create it or pass another path")
+    json_path = json_output(args.json, "analysis.json")
     con = open_store(args.db)
     try:
         _check_filters(con, args)

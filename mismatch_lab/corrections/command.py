@@ -13,8 +13,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
+from mismatch_lab.cli import json_output
 from mismatch_lab.errors import UserError
 
 
@@ -49,11 +49,7 @@ def run(args: argparse.Namespace) -> int:
     from mismatch_lab.corrections.report import format_table
     from mismatch_lab.store.reader import open_store
 
-    json_path = Path(args.json) if args.json else None
-    if json_path is not None and not json_path.parent.exists():
-        raise UserError(f"the folder of --json {json_path} does not exist; create it or pass another path")
-    if json_path is not None and json_path.is_dir():
-        raise UserError(f"--json {json_path} is a folder; pass a file path, e.g. {json_path / 'corrections.json'}")
+    json_path = json_output(args.json, "corrections.json")
     if args.chunk_tokens < 1024:
         raise UserError(f"--chunk-tokens {args.chunk_tokens}: use at least 1024")
     overrides = parse_overrides(args.overrides)

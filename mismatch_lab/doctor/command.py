@@ -11,8 +11,8 @@ bad input (cli.py prints the UserError). docs/doctor.md lists every check, band 
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
+from mismatch_lab.cli import json_output
 from mismatch_lab.doctor.checks import CHECKS, GATES
 from mismatch_lab.errors import UserError
 
@@ -65,11 +65,7 @@ def run(args: argparse.Namespace) -> int:
     from mismatch_lab.doctor.report import diagnose, text_report, write_json
     from mismatch_lab.store.reader import open_store
 
-    json_path = Path(args.json) if args.json else None
-    if json_path is not None and not json_path.parent.is_dir():
-        raise UserError(f"the folder of --json {json_path} does not exist; create it or pass another path")
-    if json_path is not None and json_path.is_dir():
-        raise UserError(f"--json {json_path} is a folder; pass a file path, e.g. {json_path / 'doctor.json'}")
+    json_path = json_output(args.json, "doctor.json")
     store = _probe_store(args)
     con = open_store(store)
     try:
