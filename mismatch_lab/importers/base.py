@@ -126,7 +126,7 @@ def imported_digests(root: Path, run_id: str) -> set[str]:
 
 def next_free_index(root: Path, run_id: str, step: int, rank: int) -> int:
     """The first sequence index of (step, rank) that the run's committed shards do not use."""
-    files = sorted(shards.shard_path(root, "sequences", run_id, step, "x").parent.glob("*.parquet"))
+    files = sorted(shards.step_dir(root, "sequences", run_id, step).glob("*.parquet"))
     if not files:
         return 0
     ids = np.concatenate([pq.read_table(p, columns=["seq_id"]).column("seq_id").to_numpy() for p in files])
@@ -136,7 +136,7 @@ def next_free_index(root: Path, run_id: str, step: int, rank: int) -> int:
 
 
 def _existing_run(root: Path, run_id: str) -> dict | None:
-    p = root / "runs" / run_id / "rank-00000.parquet"
+    p = shards.run_row_path(root, run_id, 0)
     if not p.is_file():
         return None
     return pq.read_table(p).to_pylist()[0]
@@ -294,9 +294,10 @@ def run_import(fmt: str, module, args, out=None) -> Summary:
         stager.tx.abort()
         _remove_empty(stager.dirs, root)
         if old is None:  # a run this import created: its row goes too
-            (root / "runs" / run_id / "rank-00000.parquet").unlink(missing_ok=True)
-            if (root / "runs" / run_id).is_dir() and not any((root / "runs" / run_id).iterdir()):
-                os.rmdir(root / "runs" / run_id)
+            row_path = shards.run_row_path(root, run_id, 0)
+            row_path.unlink(missing_ok=True)
+            if row_path.parent.is_dir() and not any(row_path.parent.iterdir()):
+                os.rmdir(row_path.parent)
         if new_store:
             _remove_new_store(root)
         raise

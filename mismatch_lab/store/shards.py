@@ -128,8 +128,18 @@ def drop_run(root: str | Path, run_id: str) -> int:
     return n
 
 
+def step_dir(root: Path, table: str, run_id: str, step: int) -> Path:
+    """The folder of one (table, run, step): every rank's shards of the step."""
+    return root / table / run_id / f"step-{int(step):08d}"
+
+
 def shard_path(root: Path, table: str, run_id: str, step: int, name: str) -> Path:
-    return root / table / run_id / f"step-{int(step):08d}" / f"{name}.parquet"
+    return step_dir(root, table, run_id, step) / f"{name}.parquet"
+
+
+def run_row_path(root: Path, run_id: str, rank: int) -> Path:
+    """The runs row one rank writes for a run (`write_run_row`)."""
+    return root / "runs" / run_id / f"rank-{int(rank):05d}.parquet"
 
 
 def drop_rank_step(root: Path, run_id: str, step: int, rank: int) -> int:
@@ -138,7 +148,7 @@ def drop_rank_step(root: Path, run_id: str, step: int, rank: int) -> int:
     before it logs the step again, so the step is replaced rather than added to."""
     n = 0
     for table in reversed(COMMIT_ORDER):  # = STEP_TABLES, sequences first
-        for f in sorted((root / table / run_id / f"step-{int(step):08d}").glob(f"rank-{int(rank):05d}-part-*.parquet")):
+        for f in sorted(step_dir(root, table, run_id, step).glob(f"rank-{int(rank):05d}-part-*.parquet")):
             f.unlink()
             n += 1
     return n
@@ -196,7 +206,7 @@ def write_run_row(root: Path, row: dict, rank: int) -> None:
             data[k] = json.dumps(data[k], default=str, sort_keys=True)
     types = RUN_TYPES | {"rank": pa.int32(), "updated_at": pa.timestamp("us")}
     table = pa.table({k: pa.array([data[k]], type=t) for k, t in types.items()})
-    write_parquet_atomic(table, root / "runs" / run_id / f"rank-{rank:05d}.parquet")
+    write_parquet_atomic(table, run_row_path(root, run_id, rank))
 
 
 class Transaction:
