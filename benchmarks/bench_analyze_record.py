@@ -19,6 +19,13 @@ the store:
   * noquant    (only with --floor) a diagnostic, not a mode of analyze: analyze with the per-bucket
                quantile pass replaced by an empty table (every quantile NaN), i.e. what analyze would
                cost with quantiles for free: a floor for any quantile method on this layout.
+  * fused-*    (only with --fused) a diagnostic lower bound for any layout of analyze's passes, not a
+               mode of analyze: one statement reading the join once (a MATERIALIZED common table
+               expression) and computing from it the grid of sums, the per-sequence sums and the clipped
+               rows' token counts (UNION ALL BY NAME), with the per-bucket quantiles of both scales
+               exact (quantile_cont, what analyze computes), sampled (reservoir_quantile, DuckDB's
+               default sample of 8,192 values a group: an approximation analyze does not use) or left
+               out; the pandas roll-ups and the JSON that analyze adds (~0.4 s at 10 M) are not counted.
 Targets (issue): 100 M tokens under 5 minutes and 8 GiB on 2 cores, memory not growing with the token
 count; 10 M tokens within 2x of the one-pass aggregate. The CPU model and load are printed.
 """
@@ -36,6 +43,7 @@ from pathlib import Path
 
 OUT = Path(__file__).resolve().parent / "out"
 B, T = 64, 1024
+FUSED = ("fused-exact", "fused-reservoir", "fused-none")
 
 ONE_PASS = """
     SELECT r.engine AS rollout, s.scorer, q.step, count(*) AS n,
@@ -93,11 +101,16 @@ def measure(store: str, what: str) -> dict:
         from mismatch_lab.analysis.command import to_json
     if what == "noquant":
         free_quantiles()
+    if what.startswith("fused-"):
+        from mismatch_lab.analysis.command import to_json  # the same imports as analyze
     imports = time.perf_counter() - t0
 
     t0, c0 = time.perf_counter(), cpu_seconds()
     con = open_store(store)
-    if what != "onepass":
+    if what.startswith("fused-"):
+        rows = con.execute(fused_sql(con, what.split("-", 1)[1])).fetchall()
+        extra = {"groups": len(rows)}
+    elif what != "onepass":
         steps = {}
         tables = run_all(con, progress=lambda name, s: steps.__setitem__(name, round(s, 1)))
         json.dumps(to_json(tables), allow_nan=False)
@@ -126,6 +139,52 @@ def free_quantiles() -> None:
     rows.Rows.quantiles = empty
 
 
+def fused_sql(con, quantiles: str) -> str:
+    """The --fused diagnostic's one statement: the rows analyze materialises (the same join, labels, mu
+    buckets and constants for the columns the store lacks) as a MATERIALIZED common table expression, and
+    the union of analyze's grid of sums, its per-sequence sums, the token counts of the ratio-clipped rows
+    and (quantiles 'exact' / 'reservoir' / 'none') the per-bucket quantiles of r and binary TV."""
+    from mismatch_lab.analysis import definitions as d
+    from mismatch_lab.analysis.relations import (
+        STORED_METRICS,
+        TOPK_STORED,
+        Filters,
+        rollout_base,
+        table_columns,
+        with_metrics,
+    )
+    from mismatch_lab.analysis.rows import DEFAULT_BUCKETS, Rows, Thresholds, sums_sql
+
+    rows = Rows(con)  # live: only its enums and the constants of absent columns are used
+    base, params = rollout_base(con, Filters(), topk=False, enums=rows._enums())
+    assert not params, "the diagnostic reads the whole store (no filters)"
+    const = rows._const | ({} if "category" in table_columns(con, "tokens") else {"category": "'uncategorized'"})
+    drop = ", ".join([*TOPK_STORED, *(c for c in const if c != "topk")])
+    buckets = ", ".join(f"coalesce({d.bucket_sql(s, n)}, -1)::TINYINT AS b_{s}" for s, n in DEFAULT_BUCKETS)
+    added = "".join(f", {expr} AS {name}" for name, expr in const.items())
+    rel = with_metrics(f"SELECT *{added} FROM j", STORED_METRICS)
+    t = Thresholds()
+    parts = [
+        f"""SELECT 'grid' AS part, rollout, scorer, run_id, step, adv_sign, category, b_linear, b_log,
+                   {sums_sql(t, absent=rows._const)} FROM ({rel}) GROUP BY ALL""",
+        f"""SELECT 'seq' AS part, rollout, scorer, run_id, seq_id, count(*) AS response_len,
+                   count(*) FILTER (WHERE NOT finite) AS n_nonfinite,
+                   CASE WHEN bool_and(finite) THEN sum(dlogp) END AS logratio_sum,
+                   CASE WHEN bool_and(finite) THEN sum(k1) END AS seq_kl_k1,
+                   CASE WHEN bool_and(finite) THEN sum(k3) END AS seq_kl_k3, any_value(adv_sign) AS adv_sign
+            FROM ({rel}) GROUP BY rollout, scorer, run_id, seq_id""",
+        f"""SELECT 'tok' AS part, rollout, scorer, run_id, token_id, category, {sums_sql(t, ("c_hi", "c_lo"))}
+            FROM ({rel}) WHERE r > {t.clip_high!r} OR r < {t.clip_low!r} GROUP BY ALL""",
+    ]
+    if quantiles != "none":
+        agg = {"exact": "quantile_cont", "reservoir": "reservoir_quantile"}[quantiles]
+        parts.append(f"""SELECT 'q' AS part, rollout, scorer, b_linear, b_log,
+                   {agg}(r, {list(d.RATIO_QUANTILES)}) AS r_q, {agg}(btv, 0.99) AS binary_tv_p99
+            FROM ({rel}) GROUP BY GROUPING SETS ((rollout, scorer, b_linear), (rollout, scorer, b_log))""")
+    union = " UNION ALL BY NAME ".join(f"({p})" for p in parts)
+    return f"WITH j AS MATERIALIZED (SELECT * EXCLUDE ({drop}), {buckets} FROM ({base})) SELECT * FROM {union}"
+
+
 def run_child(store: Path, what: str) -> dict:
     out = subprocess.run([sys.executable, __file__, "--child", what, "--store", str(store)], check=False,
                          capture_output=True, text=True)
@@ -141,7 +200,9 @@ def main() -> int:
     ap.add_argument("--skip", nargs="*", default=[], choices=["analyze", "onepass"])
     ap.add_argument("--floor", action="store_true",
                     help="also run analyze with the quantile pass replaced by an empty table (a diagnostic)")
-    ap.add_argument("--child", choices=["analyze", "onepass", "noquant"], help=argparse.SUPPRESS)
+    ap.add_argument("--fused", action="store_true",
+                    help="also run the one-statement lower bound with exact, sampled and no quantiles (a diagnostic)")
+    ap.add_argument("--child", choices=["analyze", "onepass", "noquant", *FUSED], help=argparse.SUPPRESS)
     ap.add_argument("--store", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -158,7 +219,7 @@ def main() -> int:
     print(f"store: {n:,} tokens, {size:.2f} GiB of Parquet; CPU: {cpu_model()}")
     for i in range(args.repeat):
         res = {}
-        for what in ("onepass", "analyze", *(["noquant"] if args.floor else [])):
+        for what in ("onepass", "analyze", *(["noquant"] if args.floor else []), *(FUSED if args.fused else [])):
             if what in args.skip:
                 continue
             load = os.getloadavg()[0]
@@ -166,7 +227,7 @@ def main() -> int:
             r = res[what]
             print(f"  [{i + 1}] {what:<8} {r['seconds']:7.2f} s  ({r['cpu_s']:.2f} s CPU)  peak RSS {r['peak_gib']:.2f} GiB  "
                   f"(imports before the clock {r['import_s']:.2f} s; load before {load:.1f}) {r.get('phases', '')}", flush=True)
-        for what in ("analyze", "noquant"):
+        for what in ("analyze", "noquant", *FUSED):
             if what in res and "onepass" in res:
                 wall, cpu = (res[what][k] / res["onepass"][k] for k in ("seconds", "cpu_s"))
                 print(f"  [{i + 1}] {what} / one pass = {wall:.2f}x wall ({cpu:.2f}x CPU time)")
