@@ -246,6 +246,24 @@ def run_import(fmt: str, module, args, out=None) -> Summary:
     texts = TextLookup(_load_tokenizer(args.tokenizer)) if getattr(args, "tokenizer", None) else None
     new_store = not Path(args.out).expanduser().exists()
     root = shards.init_store(args.out)
+    progress = Progress(len(disc.sources))
+    try:
+        with shards.run_lock(root, run_id):
+            summary = _import_locked(root, run_id, fmt, module, args, disc, texts, path, progress)
+    except BaseException:
+        if new_store:
+            _remove_new_store(root)
+        raise
+    summary.seconds = time.perf_counter() - t0
+    progress.update(len(disc.sources), summary.stats.tokens, final=True)
+    print(summary.text(), file=out, flush=True)
+    return summary
+
+
+def _import_locked(root: Path, run_id: str, fmt: str, module, args, disc: Discovery, texts, path: Path,
+                   progress: Progress) -> Summary:
+    """run_import's work once the run's import lock is held: read, stage, commit (or abort and remove
+    what this import created)."""
     row = run_row(run_id, root, fmt, module.FRAMEWORK, args, disc, path)
     old = _existing_run(root, run_id)
     if old is not None:
@@ -257,7 +275,6 @@ def run_import(fmt: str, module, args, out=None) -> Summary:
                       notes=list(disc.notes))
     done = imported_digests(root, run_id)
     next_index: dict[tuple[int, int], int] = {}
-    progress = Progress(len(disc.sources))
     stager = _Stager(shards.Transaction(root), root, run_id, summary)
     try:
         for i, src in enumerate(disc.sources, 1):
@@ -298,12 +315,7 @@ def run_import(fmt: str, module, args, out=None) -> Summary:
             row_path.unlink(missing_ok=True)
             if row_path.parent.is_dir() and not any(row_path.parent.iterdir()):
                 os.rmdir(row_path.parent)
-        if new_store:
-            _remove_new_store(root)
         raise
-    summary.seconds = time.perf_counter() - t0
-    progress.update(len(disc.sources), summary.stats.tokens, final=True)
-    print(summary.text(), file=out, flush=True)
     return summary
 
 

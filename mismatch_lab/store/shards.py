@@ -23,15 +23,24 @@ Why it is safe to write without a lock or a server:
   for an importer), so ranks and processes never write the same file.
 * idempotent: writing a unit whose sequences shard already exists under the same name is skipped
   (`Transaction.committed`): re-importing the same files adds nothing twice.
+The one exception: an import numbers its sequences after the highest index the run already holds, so two
+imports into one run at the same time would pick the same ids. An import holds `run_lock` for its run (a
+kernel file lock on `.import-<run_id>.lock`, gone with the process however it ends), and a second one
+stops with an error instead.
 Directory names hold no `=`: the reader's hive-partition parsing must not invent columns from them.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
+import socket
+import sys
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Self
@@ -207,6 +216,47 @@ def write_run_row(root: Path, row: dict, rank: int) -> None:
     types = RUN_TYPES | {"rank": pa.int32(), "updated_at": pa.timestamp("us")}
     table = pa.table({k: pa.array([data[k]], type=t) for k, t in types.items()})
     write_parquet_atomic(table, run_row_path(root, run_id, rank))
+
+
+@contextmanager
+def run_lock(root: Path, run_id: str, what: str = "import") -> Iterator[None]:
+    """Hold the exclusive `what` lock of run `run_id` in store `root` (module docstring): an advisory
+    flock on `root/.<what>-<run_id>.lock`, so a killed holder leaves no stale lock. The file names its
+    holder for the error a second process gets, and is removed on release. Raises UserError while
+    another process holds it; where the file system has no flock, warns and holds nothing."""
+    path = root / f".{what}-{check_name(run_id)}.lock"
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 512).decode(errors="replace").strip() or "a process"
+            os.close(fd)
+            raise UserError(
+                f"another {what} into run {run_id!r} of {root} is running ({holder}); wait for it to end: two at "
+                "once would give their sequences the same ids"
+            ) from None
+        except OSError as exc:  # a file system without flock (some network mounts): go on, unguarded
+            os.close(fd)
+            print(f"warning: cannot lock {path} ({exc.strerror}); going on without the lock: do not run another "
+                  f"{what} into run {run_id!r} until this one ends", file=sys.stderr)
+            path.unlink(missing_ok=True)
+            yield
+            return
+        try:
+            same = os.stat(path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:  # the last holder removed the file between our open and our lock
+            same = False
+        if same:
+            break
+        os.close(fd)
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {now_utc():%Y-%m-%d %H:%M:%S} UTC".encode())
+        yield
+    finally:
+        path.unlink(missing_ok=True)  # while still locked: a process that opened this file retries
+        os.close(fd)
 
 
 class Transaction:

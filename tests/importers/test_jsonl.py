@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
+import subprocess
+import sys
 
 import pytest
 from import_fixtures import (
@@ -198,3 +202,59 @@ def test_ctrl_c_between_the_commit_renames_leaves_the_store_as_it_was(cli, tmp_p
     assert con.execute("SELECT step, count(*) FROM sequences WHERE run_id = 'r' GROUP BY step ORDER BY step").fetchall() \
         == [(1, 1), (2, 1), (3, 1)]
     con.close()
+
+
+def test_a_second_import_into_a_run_being_imported_stops_and_commits_nothing(cli, tmp_path):
+    """Imports number sequences after the run's highest index: two at once into one run would pick the same
+    ids, so the second stops (naming the holder) while the first holds the run's lock; other runs go on."""
+    from mismatch_lab.store import shards
+
+    store = tmp_path / "store"
+    a = write_jsonl(tmp_path / "a.jsonl", jsonl_lines(3, n=4))
+    assert cli("import", "jsonl", a, "--out", store, "--run-name", "r")[0] == 0
+    before = store_files(store)
+    b = write_jsonl(tmp_path / "b.jsonl", jsonl_lines(4, n=4))
+    with shards.run_lock(store, "r"):  # what a running import of run r holds
+        code, _, err = cli("import", "jsonl", b, "--out", store, "--run-name", "r")
+        assert code == 2 and "another import into run 'r'" in err and f"pid {os.getpid()}" in err, err
+        assert store_files(store) == sorted([*before, ".import-r.lock"])
+        assert cli("import", "jsonl", b, "--out", store, "--run-name", "other")[0] == 0
+    assert ".import-r.lock" not in store_files(store)
+    assert cli("import", "jsonl", b, "--out", store, "--run-name", "r")[0] == 0  # released: it goes on
+    assert not [f for f in store_files(store) if f.endswith(".lock")]
+
+
+def test_an_import_killed_while_holding_the_lock_leaves_none(cli, tmp_path):
+    """The lock is the kernel's (flock): a holder killed outright leaves its file but not its lock."""
+    from mismatch_lab.store import shards
+
+    store = shards.init_store(tmp_path / "store")
+    code = ("import time; from pathlib import Path; from mismatch_lab.store import shards\n"
+            f"with shards.run_lock(Path({str(store)!r}), 'r'):\n    print('held', flush=True); time.sleep(600)")
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        b = write_jsonl(tmp_path / "b.jsonl", jsonl_lines(4, n=4))
+        code, _, err = cli("import", "jsonl", b, "--out", store, "--run-name", "r")
+        assert code == 2 and f"pid {holder.pid}" in err, err
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    assert (store / ".import-r.lock").exists()  # left behind by the killed holder ...
+    assert cli("import", "jsonl", b, "--out", store, "--run-name", "r")[0] == 0  # ... and no obstacle
+    assert store_files(store) and not (store / ".import-r.lock").exists()
+
+
+def test_without_flock_the_import_warns_and_goes_on(cli, tmp_path, monkeypatch):
+    import errno
+
+    from mismatch_lab.store import shards
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(shards.fcntl, "flock", no_locks)
+    store = tmp_path / "store"
+    code, out, err = cli("import", "jsonl", write_jsonl(tmp_path / "a.jsonl", jsonl_lines(3, n=4)), "--out", store)
+    assert code == 0 and "going on without the lock" in err and "No locks available" in err, err
+    assert store_files(store) and not [f for f in store_files(store) if f.endswith(".lock")]
