@@ -255,6 +255,6 @@ def test_without_flock_the_import_warns_and_goes_on(cli, tmp_path, monkeypatch):
 
     monkeypatch.setattr(shards.fcntl, "flock", no_locks)
     store = tmp_path / "store"
-    code, out, err = cli("import", "jsonl", write_jsonl(tmp_path / "a.jsonl", jsonl_lines(3, n=4)), "--out", store)
+    code, _, err = cli("import", "jsonl", write_jsonl(tmp_path / "a.jsonl", jsonl_lines(3, n=4)), "--out", store)
     assert code == 0 and "going on without the lock" in err and "No locks available" in err, err
     assert store_files(store) and not [f for f in store_files(store) if f.endswith(".lock")]
