@@ -6,7 +6,7 @@
 | field              | type                                  | required | meaning                                                        |
 |--------------------|---------------------------------------|----------|----------------------------------------------------------------|
 | step               | integer >= 0                          | yes      | training step (sequences.step)                                  |
-| token_ids          | list of integers                      | yes      | the sequence's tokens (response only, or prompt + response with `mask`) |
+| token_ids          | list of integers in [0, 2^31)         | yes      | the sequence's tokens (response only, or prompt + response with `mask`) |
 | logp_rollout       | list of numbers or null, len = token_ids | yes   | log mu: the rollout engine's log-prob of each token            |
 | logp_trainer       | list of numbers or null, len = token_ids | yes   | log pi: the trainer's log-prob of the same token               |
 | mask               | list of booleans (or 0/1), len = token_ids | no   | true = a response (loss-mask) token, stored; default: all true |
@@ -14,7 +14,7 @@
 | reward             | number or null                        | no       | the sequence's reward                                          |
 | prompt_id          | string or integer                     | no       | the prompt (GRPO group) the sequence answers                   |
 | entropy            | list of numbers or null, len = token_ids | no    | the trainer's entropy at each position, nats                   |
-| rollout_topk_ids   | list (per token) of lists of integers | no       | the rollout engine's top-K token ids at each position          |
+| rollout_topk_ids   | list (per token) of lists of ids      | no       | the rollout engine's top-K token ids at each position          |
 | rollout_topk_logps | list (per token) of lists of numbers  | no       | their log-probs; same shape as rollout_topk_ids (both or neither) |
 | rank               | integer in [0, 4096)                  | no       | the writer (data-parallel rank); default 0                     |
 
@@ -35,7 +35,9 @@ import pyarrow.compute as pc
 from mismatch_lab.errors import UserError
 from mismatch_lab.importers.base import Discovery, Source
 from mismatch_lab.importers.jsonlines import (
+    ID_TEXT,
     Problems,
+    bad_id_rows,
     check_aligned,
     check_list,
     flat_values,
@@ -44,6 +46,7 @@ from mismatch_lab.importers.jsonlines import (
     lengths,
     number,
     read_batches,
+    token_id,
 )
 from mismatch_lab.record.arrow import MAX_RANKS
 from mismatch_lab.record.flat import FlatBatch
@@ -117,6 +120,7 @@ def _batches(path: Path, row0: int, batch: pa.RecordBatch):
     check_aligned(p, batch, n, PER_POSITION, {"adv_tok": "advantage"})  # a per-token `advantage` of the file
     for name in ("token_ids", "mask"):
         p.add(has_null_items(batch.column(name)), f"field {name!r} has a null item")
+    p.add(bad_id_rows(token_ids), f"field 'token_ids' must be a list of {ID_TEXT}")
     ids, lps = batch.column("rollout_topk_ids"), batch.column("rollout_topk_logps")
     p.add(ids.is_null().to_numpy(zero_copy_only=False) != lps.is_null().to_numpy(zero_copy_only=False),
           "rollout_topk_ids and rollout_topk_logps go together: give both or neither")
@@ -132,7 +136,8 @@ def _batches(path: Path, row0: int, batch: pa.RecordBatch):
             for bad_tok, message in ((null_entry, "field 'rollout_topk_ids' must be a list (one per token) of lists"),
                                      (lengths(inner_ids) != lengths(inner_lps),
                                       "rollout_topk_ids and rollout_topk_logps have different shapes"),
-                                     (has_null_items(inner_ids), "field 'rollout_topk_ids' has a null item")):
+                                     (has_null_items(inner_ids), "field 'rollout_topk_ids' has a null item"),
+                                     (bad_id_rows(inner_ids), f"field 'rollout_topk_ids' must hold {ID_TEXT}")):
                 bad_row = np.zeros(batch.num_rows, dtype=bool)
                 bad_row[row_of[bad_tok]] = True
                 p.add(bad_row, message)
@@ -213,7 +218,7 @@ def _normalize(obj: dict) -> dict | str:
         rank = 0
     if not _integer(rank) or not 0 <= rank < MAX_RANKS:
         return f"field 'rank' must be an integer in [0, {MAX_RANKS})"
-    problem = check_list(obj, "token_ids", _integer, "integers", True, None)
+    problem = check_list(obj, "token_ids", token_id, ID_TEXT, True, None)
     if problem:
         return problem
     n = len(obj["token_ids"])
@@ -248,7 +253,7 @@ def _normalize(obj: dict) -> dict | str:
     if (ids is None) != (lps is None):
         return "rollout_topk_ids and rollout_topk_logps go together: give both or neither"
     if ids is not None:
-        for name, v, item in (("rollout_topk_ids", ids, _integer), ("rollout_topk_logps", lps, _num_or_null)):
+        for name, v, item in (("rollout_topk_ids", ids, token_id), ("rollout_topk_logps", lps, _num_or_null)):
             if not isinstance(v, list) or not all(isinstance(k, list) and all(item(x) for x in k) for k in v):
                 return f"field {name!r} must be a list (one per token) of lists"
             if len(v) != n:

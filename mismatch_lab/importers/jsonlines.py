@@ -24,6 +24,7 @@ import pyarrow.json as pj
 
 from mismatch_lab.errors import UserError
 from mismatch_lab.importers.base import count_nonblank, line_of_row
+from mismatch_lab.record.arrow import TOKEN_ID_END, bad_token_ids
 
 BLOCK_SIZE = 64 << 20
 """Bytes of JSON per Arrow block. A line longer than a block is read again with larger blocks."""
@@ -194,6 +195,27 @@ def has_null_items(col: pa.Array) -> np.ndarray:
     out = np.zeros(len(col), dtype=bool)
     out[parents[flat.is_null().to_numpy(zero_copy_only=False)]] = True
     return out
+
+
+def bad_id_rows(col: pa.Array) -> np.ndarray:
+    """[R] rows of a list<integer> column holding an id that is not a whole number in [0, 2^31)
+    (`record.arrow.bad_token_ids`; null items are reported by `has_null_items`)."""
+    values = pc.list_flatten(col)
+    bad = np.zeros(len(col), dtype=bool)
+    if len(values) == 0:
+        return bad
+    flags = bad_token_ids(pc.fill_null(values, 0).to_numpy(zero_copy_only=False))
+    bad[pc.list_parent_indices(col).to_numpy()[flags]] = True
+    return bad
+
+
+ID_TEXT = "token ids (integers in [0, 2^31))"
+"""How errors name what a token-id field must hold."""
+
+
+def token_id(x) -> bool:
+    """A JSON value that is a token id: an integer (not a boolean) in [0, 2^31)."""
+    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < TOKEN_ID_END
 
 
 def check_aligned(problems: Problems, batch: pa.RecordBatch, base_len: np.ndarray, fields: dict[str, bool],

@@ -43,7 +43,9 @@ import pyarrow.compute as pc
 from mismatch_lab.errors import UserError
 from mismatch_lab.importers.base import Discovery, Source
 from mismatch_lab.importers.jsonlines import (
+    ID_TEXT,
     Problems,
+    bad_id_rows,
     check_aligned,
     check_list,
     flat_values,
@@ -52,6 +54,7 @@ from mismatch_lab.importers.jsonlines import (
     lengths,
     number,
     read_batches_duckdb,
+    token_id,
 )
 from mismatch_lab.record.flat import FlatBatch
 
@@ -160,7 +163,7 @@ def _check_line(step: int):
         s = obj.get("export_step", obj.get("step"))
         if s != step:
             return f"export_step/step {s!r} differs from the step folder step_{step}"
-        problem = check_list(obj, "token_ids", integer, "integers", True, None)
+        problem = check_list(obj, "token_ids", token_id, ID_TEXT, True, None)
         if problem:
             return problem
         n = len(obj["token_ids"])
@@ -221,6 +224,7 @@ def read(src: Source, args):
             p.add(has_null_items(batch.column(name)), f"field {name!r} has a null item")
         p.add(~batch.column("_ints_ok").to_numpy(zero_copy_only=False),
               "field 'token_ids' or 'position_ids' holds something else than whole numbers")
+        p.add(bad_id_rows(token_ids), f"field 'token_ids' must be a list of {ID_TEXT}")
         p.raise_first()
         yield _batch(batch, n, step, src.rank)
 

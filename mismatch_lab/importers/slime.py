@@ -39,6 +39,8 @@ import pyarrow as pa
 
 from mismatch_lab.errors import UserError
 from mismatch_lab.importers.base import Discovery, Source
+from mismatch_lab.importers.jsonlines import ID_TEXT
+from mismatch_lab.record.arrow import bad_token_ids, describe_bad_ids
 from mismatch_lab.record.flat import FlatBatch
 
 FRAMEWORK = "slime"
@@ -88,6 +90,34 @@ def _scalar(value):
     return value
 
 
+def _whole(value, where: str, name: str) -> int:
+    """An integer field (a Python or numpy number, or a one-element tensor) that must be a whole number."""
+    v = _scalar(value)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not float(v).is_integer():
+        raise UserError(f"{where}: field {name!r} must be a whole number, got {type(v).__name__} {v!r:.40}")
+    return int(v)
+
+
+def _floats(value, where: str, name: str) -> np.ndarray:
+    """A number field as a float64 array of its shape (UserError naming the field otherwise)."""
+    try:
+        return _array(value, np.float64)
+    except (TypeError, ValueError) as exc:
+        raise UserError(f"{where}: field {name!r} must be a list or tensor of numbers ({exc})") from None
+
+
+def _ids(value, where: str, name: str) -> np.ndarray:
+    """A token-id field (any shape) as int64, each id a whole number in [0, 2^31) (UserError otherwise)."""
+    try:
+        a = _array(value, None)
+    except (TypeError, ValueError) as exc:
+        raise UserError(f"{where}: field {name!r} must be a list or tensor of {ID_TEXT} ({exc})") from None
+    bad = bad_token_ids(a)
+    if bad.any():
+        raise UserError(f"{where}: field {name!r} must hold {ID_TEXT}; got {describe_bad_ids(a, bad)}")
+    return a.astype(np.int64)
+
+
 def read(src: Source, args):
     import torch  # only this importer needs torch
 
@@ -108,8 +138,8 @@ def read(src: Source, args):
     for key in ("rollout_id", "samples"):
         if key not in payload:
             raise UserError(f"{path}: field {key!r} is missing")
-    step = int(_scalar(payload["rollout_id"]))
-    rank = int(_scalar(payload.get("rank", 0)) or 0)
+    step = _whole(payload["rollout_id"], str(path), "rollout_id")
+    rank = 0 if payload.get("rank") is None else _whole(payload["rank"], str(path), "rank")
     samples = payload["samples"]
     if not isinstance(samples, (list, tuple)):
         raise UserError(f"{path}: field 'samples' is not a list")
@@ -134,9 +164,9 @@ def _batch(path: Path, samples, step: int, rank: int, raw_reward) -> FlatBatch:
             if s.get(key) is None:
                 extra = " (the trainer's log-probs; a run with --use-rollout-logprobs has none)" if key == "log_probs" else ""
                 raise UserError(f"{where}: field {key!r} is missing{extra}")
-        R = int(_scalar(s["response_lengths"]))
-        tokens = _array(s["tokens"], np.int64).reshape(-1)
-        T = int(_scalar(s["total_lengths"])) if s.get("total_lengths") is not None else len(tokens)
+        R = _whole(s["response_lengths"], where, "response_lengths")
+        tokens = _ids(s["tokens"], where, "tokens").reshape(-1)
+        T = _whole(s["total_lengths"], where, "total_lengths") if s.get("total_lengths") is not None else len(tokens)
         if len(tokens) != T:
             raise UserError(f"{where}: field 'tokens' has {len(tokens)} ids, total_lengths says {T} (misaligned)")
         if not 0 <= R <= T:
@@ -151,7 +181,7 @@ def _batch(path: Path, samples, step: int, rank: int, raw_reward) -> FlatBatch:
                     raise UserError(f"{where}: field {key!r} is present in some samples and missing in others")
             if v is None:
                 continue
-            a = _array(v, np.float64).reshape(-1)
+            a = _floats(v, where, key).reshape(-1)
             if len(a) != R:
                 raise UserError(f"{where}: field {key!r} has {len(a)} values, response_lengths is {R} (misaligned)")
             cols[key].append(a)
@@ -163,7 +193,7 @@ def _batch(path: Path, samples, step: int, rank: int, raw_reward) -> FlatBatch:
         elif has["topk"] != (ids is not None):
             raise UserError(f"{where}: rollout top-K is present in some samples and missing in others")
         if ids is not None:
-            ids, lps = _array(ids, np.int64), _array(lps, np.float64)
+            ids, lps = _ids(ids, where, "rollout_topk_token_ids"), _floats(lps, where, "rollout_topk_log_probs")
             if ids.ndim != 2 or ids.shape != lps.shape or ids.shape[0] != R:
                 raise UserError(f"{where}: rollout_topk_token_ids / rollout_topk_log_probs have shapes "
                                 f"{ids.shape} / {lps.shape}, expected [{R}, K] both")

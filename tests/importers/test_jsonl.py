@@ -143,6 +143,14 @@ def test_two_files_into_one_run_do_not_collide(cli, tmp_path):
     ('{"step": 0, "token_ids": [1], "logp_rollout": [-1], "logp_trainer": [-1], "rank": 5000}', "'rank'"),
     ('{"step": 0, "token_ids": [1, 2], "logp_rollout": [-1, -2], "logp_trainer": [-1, -2]', "not valid JSON"),
     ('[1, 2, 3]', "not a JSON object"),
+    # token ids are stored as INTEGER: out of [0, 2^31) is an error, never a wrapped id (bulk and line paths)
+    ('{"step": 0, "token_ids": [1, 2147483653], "logp_rollout": [-1, -2], "logp_trainer": [-1, -2]}',
+     "field 'token_ids' must be a list of token ids (integers in [0, 2^31))"),
+    ('{"step": 0, "token_ids": [-5], "logp_rollout": [-1], "logp_trainer": [-1]}', "field 'token_ids' must be a list of token ids"),
+    ('{"step": 0, "token_ids": [1, 9223372036854775808], "logp_rollout": [-1, -2], "logp_trainer": [-1, -2]}',
+     "field 'token_ids' must be a list of token ids"),
+    (('{"step": 0, "token_ids": [1], "logp_rollout": [-1], "logp_trainer": [-1], "rollout_topk_ids": [[3000000000]], '
+     '"rollout_topk_logps": [[-1]]}'), "field 'rollout_topk_ids' must hold token ids"),
 ])
 def test_bad_line_names_file_line_and_commits_nothing(cli, tmp_path, line, needle):
     good = json.dumps({"step": 0, "token_ids": [1], "logp_rollout": [-1.0], "logp_trainer": [-1.0]})

@@ -161,7 +161,10 @@ def test_other_bad_inputs(cli, export, tmp_path):
     for change, needle in ((lambda r: r.update(schema_version=2), "schema_version"),
                            (lambda r: r.update(export_step=5), "step_0"),
                            (lambda r: r.pop("trainer_logprobs"), "'trainer_logprobs' is missing"),
-                           (lambda r: r["token_ids"].__setitem__(0, 1.5), "token_ids")):
+                           (lambda r: r["token_ids"].__setitem__(0, 1.5), "token_ids"),
+                           (lambda r: r["token_ids"].__setitem__(0, 2**31 + 5),
+                            "field 'token_ids' must be a list of token ids (integers in [0, 2^31))"),
+                           (lambda r: r["token_ids"].__setitem__(1, -3), "field 'token_ids' must be a list of token ids")):
         r = json.loads(json.dumps(rec))
         change(r)
         f.write_text(good.splitlines()[1] + "\n" + json.dumps(r) + "\n")

@@ -127,3 +127,22 @@ def test_nonfinite_and_bf16(cli, tmp_path):
     assert [t["nonfinite"] for t in toks][:4] == [False, True, True, False]
     want = naive_slime(p)[(7, 3, 0)]
     assert same(toks[0]["logp"], want["pi"][0])  # bf16 values read exactly
+
+
+@pytest.mark.parametrize(("edit", "needle"), [
+    (lambda p: p.__setitem__("rollout_id", "3"), "field 'rollout_id' must be a whole number, got str '3'"),
+    (lambda p: p.__setitem__("rollout_id", None), "field 'rollout_id' must be a whole number, got NoneType"),
+    (lambda p: p.__setitem__("rollout_id", 1.7), "field 'rollout_id' must be a whole number, got float 1.7"),
+    (lambda p: p["samples"][1].__setitem__("response_lengths", "5"), "sample 1: field 'response_lengths' must be a whole number"),
+    (lambda p: p["samples"][2].__setitem__("tokens", "1 2 3"), "sample 2: field 'tokens' must hold token ids"),
+    (lambda p: p["samples"][0]["tokens"].__setitem__(-1, 2**31 + 5), "sample 0: field 'tokens' must hold token ids (integers in [0, 2^31)); got 2147483653"),
+    (lambda p: p["samples"][3].__setitem__("log_probs", ["x"] * 9), "sample 3: field 'log_probs' must be a list or tensor of numbers"),
+])
+def test_mistyped_fields_are_one_line_errors(cli, tmp_path, edit, needle):
+    """Scalars and ids of a dump are checked, not converted blindly: no traceback, no wrapped or truncated id."""
+    p = slime_payload(3, seed=4)
+    edit(p)
+    torch.save(p, tmp_path / "3.pt")
+    code, _, err = cli("import", "slime", tmp_path / "3.pt", "--out", tmp_path / "store", "--trust-pickle")
+    assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+    assert store_files(tmp_path / "store") == []

@@ -226,10 +226,26 @@ def test_bad_input_is_an_error_naming_the_field(tmp_path):
         rec.log_step(0, ids, ok, torch.zeros(2, 3), torch.zeros(2, 4))
     with pytest.raises(UserError, match="advantages has shape"):
         rec.log_step(0, ids, ok, torch.zeros(2, 3), torch.zeros(2, 3), advantages=torch.zeros(3))
-    with pytest.raises(UserError, match=r"token_ids at response positions must lie in \[0, 2\^31\)"):
+    ids_rule = r"token_ids at response positions must be whole numbers in \[0, 2\^31\); got "
+    with pytest.raises(UserError, match=ids_rule + "8589934592"):
         rec.log_step(0, torch.full((2, 3), 2**33), ok, torch.zeros(2, 3), torch.zeros(2, 3))
+    for bad, shown in ((float("nan"), "nan"), (2.7, "2.7"), (-1.0, "-1.0")):  # float ids: no NaN -> INT_MIN, no truncation
+        floats = torch.ones(2, 3, dtype=torch.float64)
+        floats[1, 2] = bad
+        with pytest.raises(UserError, match=ids_rule + shown):
+            rec.log_step(0, floats, ok, torch.zeros(2, 3), torch.zeros(2, 3))
+    with pytest.raises(UserError, match=r"mask must be bool \(or 0/1\).*0\.3"):
+        rec.log_step(0, ids, torch.full((2, 3), 0.3), torch.zeros(2, 3), torch.zeros(2, 3))
+    with pytest.raises(UserError, match=r"rollout_topk_ids must be whole numbers in \[0, 2\^31\), or -1 for padding; got 3000000000"):
+        rec.log_step(0, ids, ok, torch.zeros(2, 3), torch.zeros(2, 3),
+                     rollout_topk_ids=torch.full((2, 3, 2), 3_000_000_000), rollout_topk_logps=torch.zeros(2, 3, 2))
+    with pytest.raises(UserError, match=r"close\(status='done'\): the status is one of complete, failed"):
+        rec.close("done")
     with pytest.raises(UserError, match="run name"):
         Recorder(tmp_path / "s", "a/b", framework="trl")
+    with pytest.raises(UserError, match="run name"):  # refused before the store is made
+        Recorder(tmp_path / "new", "a b", framework="trl")
+    assert not (tmp_path / "new").exists()
     with pytest.raises(UserError, match="rollout_engine"):
         Recorder(tmp_path / "s", "r", framework="trl", rollout_engine="tgi")
     (tmp_path / "other").mkdir()
@@ -290,3 +306,22 @@ def test_an_interrupted_commit_leaves_neither_shards_nor_temporary_files(tmp_pat
         rec.log_step(0, ids, mask, lmu, lpi)
     monkeypatch.setattr(sh.os, "replace", real)
     assert not [p for p in (tmp_path / "s").rglob("*") if p.is_file() and "step-" in str(p)]
+
+
+def test_without_token_ids_the_ids_are_null_and_a_batch_may_have_no_positions(tmp_path):
+    """log_step(token_ids=None) (a loss function sees no ids): every value lands as with ids, token_id is
+    NULL; a [B, 0] batch records B sequences without tokens."""
+    ids, mask, lmu, lpi, _, _ = _batch(3)
+    with Recorder(tmp_path / "s", "r", framework="verl") as rec:
+        assert rec.log_step(0, None, mask, lmu, lpi) == int(mask.sum())
+        assert rec.log_step(1, torch.zeros(4, 0, dtype=torch.long), torch.zeros(4, 0, dtype=torch.bool),
+                            torch.zeros(4, 0), torch.zeros(4, 0)) == 0
+    con = open_store(tmp_path / "s")
+    got = con.execute("""SELECT q.seq_id & 1048575, t.pos, t.token_id, t.logp_rollout, s.logp FROM tokens t
+                         JOIN scores s USING (run_id, seq_id, pos) JOIN sequences q USING (run_id, seq_id)
+                         ORDER BY 1, 2""").fetchall()
+    want = [(b, pos, None, mu, pi) for b, pos, _tok, mu, pi, _t in _naive_rows(ids, mask, lmu, lpi)]
+    assert [g[:3] for g in got] == [w[:3] for w in want]
+    assert np.allclose([g[3:] for g in got], [w[3:] for w in want], rtol=0, atol=1e-7)
+    assert con.execute("SELECT step, count(*), sum(response_len) FROM sequences GROUP BY step ORDER BY step").fetchall() \
+        == [(0, 5, int(mask.sum())), (1, 4, 0)]
