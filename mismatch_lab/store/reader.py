@@ -221,7 +221,7 @@ def _open_parquet_dir(d: Path) -> duckdb.DuckDBPyConnection:
             con.execute(f"INSERT INTO {FILLED_COLUMNS} VALUES (?, ?)", [table, name])
         select = f"SELECT *{''.join(f', NULL::{typ} AS {name}' for name, typ in absent)} FROM {reader}"
         if table == "runs" and shards:
-            firsts = ", ".join(f"arg_min({name}, rank) AS {name}" for name, _ in contract["runs"]
+            firsts = ", ".join(f"arg_min_null({name}, rank) AS {name}" for name, _ in contract["runs"]
                                if name not in ("run_id", "status"))
             select = RUNS_VIEW.format(firsts=firsts, source=f"({select})")
         con.execute(f"CREATE VIEW {table} AS {select}")

@@ -325,3 +325,13 @@ def test_without_token_ids_the_ids_are_null_and_a_batch_may_have_no_positions(tm
     assert np.allclose([g[3:] for g in got], [w[3:] for w in want], rtol=0, atol=1e-7)
     assert con.execute("SELECT step, count(*), sum(response_len) FROM sequences GROUP BY step ORDER BY step").fetchall() \
         == [(0, 5, int(mask.sum())), (1, 4, 0)]
+
+
+def test_the_runs_view_takes_every_descriptive_column_from_the_lowest_rank(tmp_path):
+    """Even where the lowest rank left a column NULL: no value of another rank is mixed in."""
+    ids, mask, lmu, lpi, _, _ = _batch(5)
+    for rank, model, dtype in ((0, None, None), (1, "m1", "bf16")):
+        with Recorder(tmp_path / "s", "r", framework="trl", rank=rank, model=model, rollout_dtype=dtype) as rec:
+            rec.log_step(0, ids, mask, lmu, lpi)
+    assert open_store(tmp_path / "s").execute("SELECT model, engine_dtype, n_ranks, status FROM runs").fetchall() \
+        == [(None, None, 2, "complete")]
