@@ -76,9 +76,12 @@ def violations_table(
 
 def train_series(con: duckdb.DuckDBPyConnection, run_id: str | list[str] | None = None) -> pd.DataFrame:
     """Long-form rows (run_id, step, name, value) of `train_metrics`, ordered; empty when none stored.
-    Names are slash paths ending in the reduction (e.g. mismatch/abs_dp/mean, mask/negative_adv/frac)."""
+    Names are slash paths ending in the reduction (e.g. mismatch/abs_dp/mean, mask/negative_adv/frac).
+    One row per (run, step, name): where several ranks of a recorded run logged the same metric for a
+    step, value is the mean of their values (as data-parallel frameworks average what their ranks log)."""
     if not table_columns(con, "train_metrics"):
         return empty(SERIES_COLUMNS)
     where, params = Filters.make(run_ids=run_id).where("NULL", "NULL", "run_id")
-    sql = f"SELECT run_id, step, name, value FROM train_metrics WHERE {where} ORDER BY run_id, name, step"
+    sql = f"""SELECT run_id, step, name, avg(value) AS value FROM train_metrics WHERE {where}
+              GROUP BY run_id, step, name ORDER BY run_id, name, step"""
     return query(con, sql, params)

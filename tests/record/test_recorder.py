@@ -335,3 +335,17 @@ def test_the_runs_view_takes_every_descriptive_column_from_the_lowest_rank(tmp_p
             rec.log_step(0, ids, mask, lmu, lpi)
     assert open_store(tmp_path / "s").execute("SELECT model, engine_dtype, n_ranks, status FROM runs").fetchall() \
         == [(None, None, 2, "complete")]
+
+
+def test_metrics_several_ranks_log_are_one_value_per_step_their_mean(tmp_path):
+    from mismatch_lab.analysis.violations import train_series
+
+    ids, mask, lmu, lpi, _, _ = _batch(6)
+    for rank in (0, 1, 2):
+        with Recorder(tmp_path / "s", "r", framework="trl", rank=rank) as rec:
+            for step in (0, 1):
+                metrics = {"loss/policy/mean": 10.0 * rank + step} | ({"only/rank0": 7.0} if rank == 0 else {})
+                rec.log_step(step, ids, mask, lmu, lpi, metrics=metrics)
+    got = train_series(open_store(tmp_path / "s"))
+    assert got[["step", "name", "value"]].values.tolist() == [
+        [0, "loss/policy/mean", 10.0], [1, "loss/policy/mean", 11.0], [0, "only/rank0", 7.0], [1, "only/rank0", 7.0]]
