@@ -199,6 +199,9 @@ def fig3_precision_summary(con: duckdb.DuckDBPyConnection, rows: Rows | None = N
         ("frac_ratio_outside_clip", f"share with r ∉ [{d.CLIP_LOW:g}, {d.CLIP_HIGH:g}] (fraction)", "share outside clip range"),
     ]
     drawn = [m for m in metrics if any(np.isfinite(x[3][m[0]]) and x[3][m[0]] > 0 for x in allrows)]
+    if not drawn and not any(np.isfinite(x[3][m[0]]) for x in allrows for m in metrics):
+        raise Skip("no pair has a finite (token, scorer) row: every log μ or log π is NaN or ±inf (counted as "
+                   "n_nonfinite in `analyze`)")
     if not drawn:
         raise Skip("every pair has zero mismatch on every metric")
     h = 0.2 * len(allrows) + 0.3

@@ -173,12 +173,15 @@ def fig9_steps(con: duckdb.DuckDBPyConnection, rows=None) -> list[tuple[str, Fig
         panel_figure,
     )
 
+    keys = ["run_id", "rollout", "scorer"]
     series = step_series(con)
-    series = series[series["n_finite"] > 0]
+    has_finite = series.groupby(keys)["n_finite"].transform("sum") > 0 if len(series) else series["n_finite"] > 0
+    unmeasured = series[~has_finite]  # lines without a single finite row: nothing to draw
+    series = series[has_finite]
     if series.empty:
         raise Skip("no run over training steps (sequences.step) with finite scored tokens in this store")
+    gaps = series[series["n_finite"] == 0]  # steps whose every row is non-finite: a gap in their line
     label = run_labels(con, series["run_id"].unique())
-    keys = ["run_id", "rollout", "scorer"]
     lines = [(key, g.sort_values("step")) for key, g in series.groupby(keys, sort=True)]
     styles = line_styles(len(lines))
     panels = (
@@ -197,8 +200,9 @@ def fig9_steps(con: duckdb.DuckDBPyConnection, rows=None) -> list[tuple[str, Fig
             name = label.get(key[0], key[0]) + (f": {pair_label(*key[1:])}" if per_run[key[0]] > 1 else "")
             name += f", {_growth_text(fit)}" if fit else ""
             ax.plot(g["step"], g[col], marker=marker, ms=2.5, lw=1.1, **styles[i], label=name)
-        pos = series[col][series[col] > 0]
-        if len(pos) and pos.max() / pos.min() > 100 and (series[col] > 0).all():
+        vals = series[col].dropna()
+        pos = vals[vals > 0]
+        if len(pos) and pos.max() / pos.min() > 100 and (vals > 0).all():
             ax.set_yscale("log")
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("training step (optimizer steps)", fontsize=8)
@@ -207,8 +211,9 @@ def fig9_steps(con: duckdb.DuckDBPyConnection, rows=None) -> list[tuple[str, Fig
         if len(lines) <= MAX_LEGEND_LINES:  # under the axes: long labels would cover the curves
             ax.legend(fontsize=5.5, loc="upper left", bbox_to_anchor=(0.0, -0.18), frameon=False)
     per_line = "; ".join(
-        f"{label.get(key[0], key[0])} {pair_label(*key[1:])}: {g['step'].nunique()} steps, "
-        f"n = {int(g['n_finite'].sum()):,} tokens"
+        f"{label.get(key[0], key[0])} {pair_label(*key[1:])}: {g['step'].nunique()} steps"
+        + (f" ({int((g['n_finite'] == 0).sum())} without a finite row)" if (g["n_finite"] == 0).any() else "")
+        + f", n = {int(g['n_finite'].sum()):,} tokens"
         + (f", mean |Δp| {_growth_text(fits['abs_dp_mean'][key])}" if key in fits["abs_dp_mean"] else "")
         for key, g in lines[:12]
     ) + ("; …" if len(lines) > 12 else "")
@@ -221,6 +226,10 @@ def fig9_steps(con: duckdb.DuckDBPyConnection, rows=None) -> list[tuple[str, Fig
         "counted in the analysis (`analyze`, key steps). Growth: least-squares slope of the per-step mean on the "
         "step number, times 100, with its 95 % t-interval (n_steps − 2 degrees of freedom), for lines of ≥ 3 steps. "
         "Log axes where values span more than two decades."
+        + (f" {len(gaps)} step(s) hold no finite row ({int(gaps['n_nonfinite'].sum()):,} non-finite rows): gaps in "
+           "their lines." if len(gaps) else "")
+        + (f" Not drawn, no finite row at all: {unmeasured.groupby(keys).ngroups} line(s) "
+           f"({int(unmeasured['n_nonfinite'].sum()):,} non-finite rows)." if len(unmeasured) else "")
         + ("" if len(lines) <= MAX_LEGEND_LINES else " Too many lines for a legend: see the analysis table.")
     )
     return [("fig9_mismatch_over_steps", finish(fig, "Mismatch over training steps", caption))]
