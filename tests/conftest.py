@@ -49,6 +49,7 @@ def vllm_tiny_fp32(tiny_model):
 # the process inside an open transaction that already holds the next chunk's sequences.
 _SELF_SIGNAL = """
 import os, signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)  # a shell's background job inherits SIGINT ignored
 from mismatch_lab.store.writer import StoreWriter
 sig, after, argv = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
 original, written = StoreWriter.write_chunk, []

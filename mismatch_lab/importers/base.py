@@ -23,7 +23,6 @@ Rules kept here for all formats:
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 import sys
@@ -135,28 +134,6 @@ def next_free_index(root: Path, run_id: str, step: int, rank: int) -> int:
     return int(mine.max()) + 1 if len(mine) else 0
 
 
-def _existing_run(root: Path, run_id: str) -> dict | None:
-    p = shards.run_row_path(root, run_id, 0)
-    if not p.is_file():
-        return None
-    return pq.read_table(p).to_pylist()[0]
-
-
-def _check_same_run(old: dict, new: dict) -> None:
-    """An import adds to an existing run only when it declares the same things about it."""
-    old_cfg = json.loads(old.get("config") or "{}")
-    theirs = {"kind": old.get("kind"), "engine": old.get("engine"), "engine_dtype": old.get("engine_dtype"),
-              "scorer": old_cfg.get("scorer"), "format": old_cfg.get("format")}
-    ours = {"kind": new["kind"], "engine": new["engine"], "engine_dtype": new["engine_dtype"],
-            "scorer": new["config"]["scorer"], "format": new["config"]["format"]}
-    diff = [f"{k} {theirs[k]!r} (now {ours[k]!r})" for k in ours if theirs[k] != ours[k]]
-    if diff:
-        raise UserError(
-            f"run {new['run_id']!r} is already in this store with {', '.join(diff)}; pass the same "
-            "--rollout-engine/--rollout-dtype/--trainer-dtype as before, or another --run-name"
-        )
-
-
 class Progress:
     """Progress lines on stderr, at most one a second (and the last)."""
 
@@ -265,9 +242,12 @@ def _import_locked(root: Path, run_id: str, fmt: str, module, args, disc: Discov
     """run_import's work once the run's import lock is held: read, stage, commit (or abort and remove
     what this import created)."""
     row = run_row(run_id, root, fmt, module.FRAMEWORK, args, disc, path)
-    old = _existing_run(root, run_id)
+    old = shards.existing_run(root, run_id)
     if old is not None:
-        _check_same_run(old, row)
+        diff = shards.run_differences(old, row)
+        if diff:
+            raise UserError(f"run {run_id!r} is already in this store with {', '.join(diff)}; pass the same "
+                            "--rollout-engine/--rollout-dtype/--trainer-dtype as before, or another --run-name")
         row["created_at"] = old["created_at"]
 
     rollout = args.rollout_engine + (f":{args.rollout_dtype}" if args.rollout_dtype else " (dtype not given)")

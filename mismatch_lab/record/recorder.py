@@ -131,6 +131,12 @@ class Recorder:
                        "tokenizer": None if tokenizer is None else getattr(tokenizer, "name_or_path", "given"),
                        **(config or {})},
         }  # fmt: skip
+        old = shards.existing_run(self.root, self.run_id)
+        diff = [] if old is None else shards.run_differences(old, self._row)
+        if diff:  # e.g. an imported run: their sequence ids would collide with this writer's
+            raise UserError(f"run {self.run_id!r} is already in {self.root} with {', '.join(diff)}; record it with "
+                            "the same kind, framework, rollout_engine, rollout_dtype and trainer_dtype, or under "
+                            "another run_name")
         shards.write_run_row(self.root, self._row, self.rank)
         self.closed = False
 

@@ -151,6 +151,32 @@ def run_row_path(root: Path, run_id: str, rank: int) -> Path:
     return root / "runs" / run_id / f"rank-{int(rank):05d}.parquet"
 
 
+def existing_run(root: Path, run_id: str) -> dict | None:
+    """The stored runs row of `run_id` of its lowest rank, or None when the store does not hold the run."""
+    import pyarrow.parquet as pq
+
+    rows = sorted((root / "runs" / run_id).glob("rank-*.parquet"))
+    return pq.read_table(rows[0]).to_pylist()[0] if rows else None
+
+
+SAME_RUN_KEYS = ("kind", "engine", "engine_dtype", "scorer", "format")
+"""What a writer adding to an existing run must declare as the run did: its kind, rollout engine and dtype,
+and (from its config) the scorer label and the import format."""
+
+
+def run_differences(old: dict, new: dict) -> list[str]:
+    """'<key> <old value> (now <new value>)' for each SAME_RUN_KEYS value `new` (a run row about to be
+    written) declares differently from `old` (the stored row); config may be a dict or its JSON."""
+
+    def values(row: dict) -> dict:
+        cfg = row.get("config") or {}
+        cfg = json.loads(cfg) if isinstance(cfg, str) else cfg
+        return {k: row.get(k) if k in row else cfg.get(k) for k in SAME_RUN_KEYS}
+
+    theirs, ours = values(old), values(new)
+    return [f"{k} {theirs[k]!r} (now {ours[k]!r})" for k in SAME_RUN_KEYS if theirs[k] != ours[k]]
+
+
 def drop_rank_step(root: Path, run_id: str, step: int, rank: int) -> int:
     """Remove rank `rank`'s committed shards of (run, step) in every step table, sequences first (the unit
     turns invisible before its parts go); returns how many files were removed. A resumed writer calls it

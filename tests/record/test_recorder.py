@@ -330,11 +330,11 @@ def test_without_token_ids_the_ids_are_null_and_a_batch_may_have_no_positions(tm
 def test_the_runs_view_takes_every_descriptive_column_from_the_lowest_rank(tmp_path):
     """Even where the lowest rank left a column NULL: no value of another rank is mixed in."""
     ids, mask, lmu, lpi, _, _ = _batch(5)
-    for rank, model, dtype in ((0, None, None), (1, "m1", "bf16")):
-        with Recorder(tmp_path / "s", "r", framework="trl", rank=rank, model=model, rollout_dtype=dtype) as rec:
+    for rank, model in ((0, None), (1, "m1")):
+        with Recorder(tmp_path / "s", "r", framework="trl", rank=rank, model=model) as rec:
             rec.log_step(0, ids, mask, lmu, lpi)
-    assert open_store(tmp_path / "s").execute("SELECT model, engine_dtype, n_ranks, status FROM runs").fetchall() \
-        == [(None, None, 2, "complete")]
+    assert open_store(tmp_path / "s").execute("SELECT model, n_ranks, status FROM runs").fetchall() \
+        == [(None, 2, "complete")]
 
 
 def test_metrics_several_ranks_log_are_one_value_per_step_their_mean(tmp_path):
@@ -349,3 +349,24 @@ def test_metrics_several_ranks_log_are_one_value_per_step_their_mean(tmp_path):
     got = train_series(open_store(tmp_path / "s"))
     assert got[["step", "name", "value"]].values.tolist() == [
         [0, "loss/policy/mean", 10.0], [1, "loss/policy/mean", 11.0], [0, "only/rank0", 7.0], [1, "only/rank0", 7.0]]
+
+
+def test_a_recorder_refuses_a_run_the_store_holds_with_another_kind_or_scorer(tmp_path):
+    """An imported run numbers its sequences on its own: a Recorder writing into it would reuse those ids."""
+    ids, mask, lmu, lpi, _, _ = _batch(7)
+    f = tmp_path / "a.jsonl"
+    f.write_text('{"step": 0, "token_ids": [1, 2], "logp_rollout": [-1.0, -2.0], "logp_trainer": [-1.1, -2.1]}\n')
+    from mismatch_lab.cli import main
+
+    assert main(["import", "jsonl", str(f), "--out", str(tmp_path / "s"), "--run-name", "imp"]) == 0
+    with pytest.raises(UserError, match=r"run 'imp' is already in .* with kind 'import' \(now 'record'\), "
+                                        r"scorer 'jsonl:trainer' \(now 'trl:trainer'\)"):
+        Recorder(tmp_path / "s", "imp", framework="trl")
+    with Recorder(tmp_path / "s", "rec", framework="trl", rollout_engine="vllm") as rec:
+        rec.log_step(0, ids, mask, lmu, lpi)
+    with pytest.raises(UserError, match=r"engine 'vllm' \(now 'unknown'\)"):
+        Recorder(tmp_path / "s", "rec", framework="trl")
+    with Recorder(tmp_path / "s", "rec", framework="trl", rollout_engine="vllm", rank=1) as rec:  # the same run
+        rec.log_step(0, ids, mask, lmu, lpi)
+    assert open_store(tmp_path / "s").execute("SELECT run_id, kind, n_ranks FROM runs ORDER BY 1").fetchall() \
+        == [("imp", "import", 1), ("rec", "record", 2)]
