@@ -76,7 +76,13 @@ n = st.slider("How many token strings", 5, lab_ui.TOP_CLIPPED_MAX, definitions.T
 # One query for the longest list the slider allows; the slider and the category filter only cut it.
 top = lab_ui.top_clipped_of(rollout, scorer)
 top = top[top["category"].isin(chosen)].head(n)
-if top.empty:
+two_sided = by_cat[(by_cat["adv_sign"] == "all") & by_cat["category"].isin(chosen)]
+clipped = int(two_sided["n_ratio_clip"].sum())
+if top.empty and clipped:  # clipped tokens, none of them ranked: their ids were not stored
+    st.info(f"{clipped:,} tokens of the chosen categories leave PPO's clip range, but this pair's tokens are "
+            "stored without token ids or texts (recorded where the ids were not at hand, e.g. from a loss "
+            "function): there is no per-token ranking.")
+elif top.empty:
     st.info("No token of the chosen categories leaves PPO's clip range for this pair.")
 else:
     st.caption(

@@ -61,6 +61,13 @@ else:
     if seqs.empty:
         st.info("This run has no sequences yet.")
         st.stop()
+    empty = int((seqs["response_len"] == 0).sum())  # a Recorder keeps sequences without a loss-mask token
+    if empty:
+        seqs = seqs[seqs["response_len"] != 0]
+        st.caption(f"{empty:,} sequence(s) without a stored (loss-mask) token are not listed.")
+        if seqs.empty:
+            st.info("No sequence of this selection has a stored token.")
+            st.stop()
     by_id = seqs.set_index("seq_id")
     lab_ui.keep_valid("insp_seq", by_id.index.tolist())
     seq_id = int(
@@ -95,8 +102,11 @@ m[4].metric(
     "—" if pd.isna(seq.advantage) else f"{seq.advantage:.3g}",
     help="PPO's clip and DPPO's mask act in the advantage's direction; without one, on either side.",
 )
-if pd.isna(seq.reward):
+if pd.isna(seq.reward) and pd.isna(seq.advantage):
     st.caption("This sequence carries no reward or advantage (collect runs have none).")
+if tokens.empty:
+    st.info("This sequence has no stored (loss-mask) tokens.")
+    st.stop()
 
 scorers = sorted(tokens["scorer"].dropna().unique())
 if not scorers:

@@ -138,7 +138,8 @@ def _sequence_columns(con, alias: str) -> str:
 
 
 def worst_sequences(con, *, run_id: str | None = None, scorer: str | None = None, n: int = 20) -> pd.DataFrame:
-    """The n sequences with the largest max |Δp| = max_pos |π − μ| over their tokens.
+    """The n sequences with the largest max |Δp| = max_pos |π − μ| over their tokens (sequences with no
+    finite row are not listed).
 
     The maximum is taken over every scorer unless `scorer` is given; `worst_scorer` and `worst_pos`
     say where it occurs. Non-finite scores do not count (their |Δp| is NULL); `n_nonfinite` counts them.
@@ -168,7 +169,8 @@ def worst_sequences(con, *, run_id: str | None = None, scorer: str | None = None
                avg(abs_dp) AS mean_abs_dp, count(DISTINCT pos) AS n_tokens,
                count(*) FILTER (WHERE nonfinite) AS n_nonfinite
         FROM d GROUP BY run_id, seq_id
-        ORDER BY max_abs_dp DESC NULLS LAST, run_id, seq_id
+        HAVING max(abs_dp) IS NOT NULL  -- a sequence without a finite row has no |Δp| to rank by
+        ORDER BY max_abs_dp DESC, run_id, seq_id
         LIMIT ?
         """,
         params_t + params_s + [int(n)],

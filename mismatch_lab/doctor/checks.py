@@ -36,13 +36,13 @@ class Check:
 
 
 PAIR_NEEDS = "a store with scored tokens: `mismatch-lab doctor --model M` or `mismatch-lab collect`"
-STEP_NEEDS = ("a run over at least 3 training steps (`mismatch-lab train`, the Recorder, or "
-              "`mismatch-lab import`)")
+STEP_NEEDS = ("a run over at least 3 training steps with finite scored tokens (`mismatch-lab train`, the "
+              "Recorder, or `mismatch-lab import`)")
 BATCH_NEEDS = ("collect runs of one rollout at two generation batch sizes, otherwise alike (same config and "
                "model): `mismatch-lab collect --study S --gen-batch 1` and `--gen-batch 8` into the same store "
                "(studies/batch-invariance/study.toml)")
-SKIPPED_NEEDS = ("a `collect` run (only collect writes skipped_prompts; recorded and imported stores have no "
-                 "such table)")
+SKIPPED_NEEDS = ("a `collect` run (only collect skips prompts longer than the context and lists them in "
+                 "skipped_prompts; train, recorded and imported runs skip none)")
 
 CHECKS: tuple[Check, ...] = (
     Check("abs_dp_mean", "mean |π − μ| of the sampled token", B.ABS_DP, "pairs", "abs_dp_mean", ("verl",),

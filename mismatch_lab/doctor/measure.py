@@ -120,13 +120,15 @@ def batch(m: Measurements) -> pd.DataFrame:
 
 
 def skipped(m: Measurements) -> pd.DataFrame:
-    """Prompts skipped as longer than the context, per rollout (0 where none); empty where the store has no
-    skipped_prompts table (a partial export, a recorded or imported run: nothing was skipped by us)."""
+    """Prompts skipped as longer than the context, per rollout of the collect runs (0 where none; only
+    collect skips prompts and writes skipped_prompts); empty where the store has no collect run or no
+    skipped_prompts table (a partial export, recorded or imported runs: "not measured", not 0)."""
     if not table_columns(m.con, "skipped_prompts"):
         return pd.DataFrame(columns=["rollout", "n_skipped"])
     return query(m.con, f"""
         SELECT {d.ROLLOUT_LABEL_SQL} AS rollout, count(DISTINCT k.run_id || '/' || k.prompt_id) AS n_skipped
-        FROM runs LEFT JOIN skipped_prompts k ON k.run_id = runs.run_id GROUP BY ALL ORDER BY rollout""")
+        FROM runs LEFT JOIN skipped_prompts k ON k.run_id = runs.run_id
+        WHERE runs.kind = 'collect' GROUP BY ALL ORDER BY rollout""")
 
 
 def approximation(m: Measurements) -> pd.DataFrame:

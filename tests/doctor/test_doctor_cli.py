@@ -141,3 +141,24 @@ def test_a_gate_fails_its_only_pair_when_it_could_not_measure_it(store, capsys):
     assert main(["doctor", "--db", store(blind), "--gate", "slime"]) == 1
     out = capsys.readouterr().out
     assert "gate slime: FAIL" in out and "finite values of vllm:fp16/hf:fp32" in out
+
+
+def test_skipped_prompts_are_not_measured_without_a_collect_run(tmp_path, capsys):
+    """Only collect skips prompts: on a recorded run '0 skipped' would be vacuous, so the check is listed
+    under 'not measured' (not 'ok 0'); growth names what it needs, finite steps."""
+    import numpy as np
+
+    from mismatch_lab.record import Recorder
+
+    rng = np.random.default_rng(0)
+    with Recorder(tmp_path / "s", "r", framework="trl", rollout_engine="vllm") as rec:
+        for step in range(2):
+            lmu = -rng.exponential(1.0, (4, 8))
+            rec.log_step(step, rng.integers(0, 50, (4, 8)), np.ones((4, 8), bool), lmu, lmu + 0.01)
+    assert main(["doctor", "--db", str(tmp_path / "s"), "--json", str(tmp_path / "d.json")]) == 0
+    doc = json.loads((tmp_path / "d.json").read_text())
+    assert "skipped_prompts" not in {c["check"] for c in doc["checks"]}
+    needs = {c["check"]: c["needs"] for c in doc["not_measured"]}
+    assert needs["skipped_prompts"].startswith("a `collect` run")
+    assert "at least 3 training steps with finite scored tokens" in needs["growth"]
+    capsys.readouterr()
