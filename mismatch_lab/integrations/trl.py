@@ -24,7 +24,8 @@ What is recorded (written for TRL 1.16; `GRPOTrainer._generate_and_score_complet
 
 Which step: a generated batch is recorded ONCE, as step `state.global_step + 1` read when it is
 generated: the 1-based number of the first optimizer step that trains on it, which is also the `step` of
-TRL's log entry that carries the batch's metrics (`trainer.state.log_history`). Its rollout used the
+TRL's log entry that carries the batch's metrics (`trainer.state.log_history`) when logging_steps=1 (with
+logging_steps=L TRL logs every L-th step the mean over the L steps). Its rollout used the
 weights after `state.global_step` updates. TRL generates once every `steps_per_generation *
 num_iterations` micro-steps and reuses the batch for the other micro-steps and iterations; those reuses
 are not recorded again. With the defaults (steps_per_generation = gradient_accumulation_steps,
@@ -34,7 +35,7 @@ that step (its parts), and TRL's logged metric is then the mean of the batches' 
 batches are not recorded.
 
 Per-step mean |log π − log μ| over the stored finite token rows equals TRL's
-`sampling/sampling_logp_difference/mean` for one process and one batch per step; with several processes
+`sampling/sampling_logp_difference/mean` for one process, one batch per step and logging_steps=1; with several processes
 TRL averages the processes' token-means (tests/integrations/test_trl.py checks the single-process case).
 
 `use_cpu_weight_sync`: TRL's colocated sync (`VLLMGeneration.sync_weights`) calls the vLLM model's
@@ -98,15 +99,23 @@ def attach(trainer, path: str | Path, **recorder_kwargs) -> Recorder:
     kwargs = _recorder_defaults(trainer)
     config = {**kwargs.pop("config"), **(recorder_kwargs.pop("config", None) or {})}
     kwargs.update(recorder_kwargs)
+    # TRL generates only every few optimizer steps: `every` counts generated batches, not steps (a step
+    # filter could miss every step that has a batch)
+    every = int(kwargs.pop("every", 1))
+    if every < 1:
+        raise UserError(f"every must be at least 1, got {every}")
+    config["every_generated_batches"] = every
     run_name = kwargs.pop("run_name", None) or _default_run_name(trainer.args)
     recorder = Recorder(path, run_name, config=config, **kwargs)
-    _Hook(trainer, recorder).install()
+    _Hook(trainer, recorder, every).install()
     return recorder
 
 
 def _check_trainer(trainer) -> None:
     if not callable(getattr(trainer, "_generate_and_score_completions", None)):
         raise UserError(f"attach() takes a trl.GRPOTrainer (TRL 1.16); got {type(trainer).__name__}")
+    if getattr(trainer, "_mismatch_lab_recorder", None) is not None:  # before a second Recorder writes a row
+        raise UserError("attach() was already called on this trainer; one Recorder per trainer")
     args = trainer.args
     use_vllm = bool(getattr(trainer, "use_vllm", getattr(args, "use_vllm", False)))
     correction = bool(getattr(trainer, "vllm_importance_sampling_correction",
@@ -179,8 +188,9 @@ class _Hook:
     """Wraps one trainer's `_calculate_rewards`, `_generate_and_score_completions` and `train` (instance
     attributes: other trainers are untouched) and adds a callback that closes the recorder."""
 
-    def __init__(self, trainer, recorder: Recorder):
-        self.trainer, self.recorder = trainer, recorder
+    def __init__(self, trainer, recorder: Recorder, every: int = 1):
+        self.trainer, self.recorder, self.every = trainer, recorder, every
+        self._generated = 0  # training batches this process generated (every: keep the 0th, every-th, ...)
         self._rewards = None  # [all processes' completions, reward functions] of the batch in flight
         self._batches: dict[int, int] = {}  # step -> batches generated for it by this process
         self._warned_closed = False
@@ -201,7 +211,7 @@ class _Hook:
 
         def generate_and_score(inputs, *args, **kwargs):
             training = bool(trainer.model.training)
-            before = {k: len(v) for k, v in trainer._metrics["train"].items()} if training else None
+            before = {k: (id(v), len(v)) for k, v in trainer._metrics["train"].items()} if training else None
             self._rewards = None
             out = gen(inputs, *args, **kwargs)
             if training:
@@ -235,7 +245,8 @@ class _Hook:
                               "not recorded. attach() a new Recorder to record another train() call", stacklevel=2)
                 self._warned_closed = True
             return
-        if not rec.wants(step):
+        self._generated += 1
+        if (self._generated - 1) % self.every:
             return
         if out.get("sampling_per_token_logps") is None or out.get("old_per_token_logps") is None:
             raise UserError("GRPOTrainer produced a batch without sampling_per_token_logps / old_per_token_logps; "
@@ -268,10 +279,12 @@ class _Hook:
         return rewards[first: first + B]
 
     def _new_metrics(self, before: dict) -> dict[str, float]:
-        """Mean of the values TRL appended to each train metric while producing this batch."""
+        """Mean of the values TRL added to each train metric while producing this batch: those appended to
+        its list, or all of a list TRL replaced (it sets some, e.g. num_tokens, to a new one-value list)."""
         out = {}
         for name, values in self.trainer._metrics["train"].items():
-            new = values[before.get(name, 0):]
+            ident, n = before.get(name, (None, 0))
+            new = values[n:] if ident == id(values) else values
             nums = [float(v) for v in new if isinstance(v, (int, float))]
             if nums:
                 out[METRIC_PREFIX + name] = sum(nums) / len(nums)

@@ -1,0 +1,102 @@
+"""attach()'s own bookkeeping, driven by a stand-in for GRPOTrainer that follows TRL 1.16's schedule of
+generations per micro-step (orchestration only: the values recorded from a real GRPOTrainer are checked in
+test_trl.py)."""
+
+from __future__ import annotations
+
+import types
+from collections import defaultdict
+
+import pytest
+import torch
+
+from mismatch_lab.errors import UserError
+from mismatch_lab.integrations.trl import attach
+from mismatch_lab.store.reader import open_store
+
+
+class _Model(torch.nn.Module):
+    name_or_path = "stand-in"
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1))
+
+
+class StandIn:
+    """The attributes attach() reads, and TRL's loop: generate when `_step % (steps_per_generation *
+    num_iterations) == 0`, one micro-step per gradient-accumulation step."""
+
+    def __init__(self, *, ga=1, spg=None, num_iterations=1, B=4, T=5):
+        self.args = types.SimpleNamespace(
+            use_vllm=True, vllm_importance_sampling_correction=True, bf16=False, fp16=False, run_name="standin",
+            output_dir="out", gradient_accumulation_steps=ga, steps_per_generation=spg or ga,
+            num_iterations=num_iterations, num_generations=2)
+        self.model = _Model().train()
+        self.accelerator = types.SimpleNamespace(process_index=0)
+        self.state = types.SimpleNamespace(global_step=0)
+        self.num_generations, self.reward_weights = 2, torch.tensor([1.0])
+        self._metrics = {"train": defaultdict(list)}
+        self.processing_class, self.B, self.T, self._step, self.callbacks = None, B, T, 0, []
+
+    def add_callback(self, cb):
+        self.callbacks.append(cb)
+
+    def _calculate_rewards(self, *args):
+        return torch.arange(self.B, dtype=torch.float32).unsqueeze(1)
+
+    def _generate_and_score_completions(self, inputs):
+        self._calculate_rewards()
+        self._metrics["train"]["sampling/sampling_logp_difference/mean"].append(0.5)
+        self._metrics["train"]["num_tokens"] = [float(self._step)]  # TRL replaces this list, not appends
+        B, T = self.B, self.T
+        return {"completion_ids": torch.ones(B, T, dtype=torch.long), "completion_mask": torch.ones(B, T),
+                "sampling_per_token_logps": torch.full((B, T), -1.0), "old_per_token_logps": torch.full((B, T), -1.5),
+                "advantages": torch.linspace(-1, 1, B)}
+
+    def train(self, max_steps):
+        a = self.args
+        while self.state.global_step < max_steps:
+            for _ in range(a.gradient_accumulation_steps):
+                if self._step % (a.steps_per_generation * a.num_iterations) == 0:
+                    self._generate_and_score_completions(None)
+                self._step += 1
+            self.state.global_step += 1
+        for cb in self.callbacks:
+            cb.on_train_end(a, self.state, None)
+
+
+def _steps(store) -> list[int]:
+    return [r[0] for r in open_store(store).execute("SELECT DISTINCT step FROM sequences ORDER BY 1").fetchall()]
+
+
+@pytest.mark.parametrize(("kw", "every", "want"), [
+    ({"num_iterations": 2}, 2, [1, 5, 9, 13]),  # batches at 1, 3, 5, ...: a step filter 'step % 2' kept none
+    ({"ga": 2, "spg": 4}, 2, [1, 5, 9, 13]),
+    ({"num_iterations": 3}, 3, [1, 10]),
+    ({}, 1, list(range(1, 16))),
+])
+def test_every_keeps_one_in_n_generated_batches(tmp_path, kw, every, want):
+    trainer = StandIn(**kw)
+    rec = attach(trainer, tmp_path / "s", every=every)
+    trainer.train(15)
+    assert rec.closed and _steps(tmp_path / "s") == want
+    cfg = open_store(tmp_path / "s").execute("SELECT config FROM runs").fetchone()[0]
+    assert f'"every_generated_batches": {every}' in cfg
+
+
+def test_a_metric_whose_list_trl_replaces_is_recorded_for_every_batch(tmp_path):
+    trainer = StandIn()
+    attach(trainer, tmp_path / "s")
+    trainer.train(3)
+    rows = open_store(tmp_path / "s").execute(
+        "SELECT step, value FROM train_metrics WHERE name = 'trl/num_tokens' ORDER BY step").fetchall()
+    assert rows == [(1, 0.0), (2, 1.0), (3, 2.0)]
+
+
+def test_a_second_attach_is_refused_before_it_writes_anything(tmp_path):
+    trainer = StandIn()
+    attach(trainer, tmp_path / "s")
+    with pytest.raises(UserError, match="already called on this trainer"):
+        attach(trainer, tmp_path / "other")
+    assert not (tmp_path / "other").exists()
