@@ -47,6 +47,7 @@ weights otherwise feeds the next rollout).
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import re
@@ -106,9 +107,25 @@ def attach(trainer, path: str | Path, **recorder_kwargs) -> Recorder:
         raise UserError(f"every must be at least 1, got {every}")
     config["every_generated_batches"] = every
     run_name = kwargs.pop("run_name", None) or _default_run_name(trainer.args)
+    _check_same_experiment(Path(path).expanduser(), run_name, config["trl"])
     recorder = Recorder(path, run_name, config=config, **kwargs)
     _Hook(trainer, recorder, every).install()
     return recorder
+
+
+def _check_same_experiment(root: Path, run_name: str, trl_options: dict) -> None:
+    """A run the store already holds under this name continues only with the same TRL options (a resumed
+    job); another experiment under the default name (e.g. output_dir 'trainer_output') would merge into it."""
+    from mismatch_lab.store import shards
+
+    old = shards.existing_run(root, run_name) if root.is_dir() else None
+    theirs = None if old is None else json.loads(old.get("config") or "{}").get("trl")
+    if theirs is None or theirs == trl_options:
+        return
+    diff = [f"{k} {theirs.get(k)!r} (now {trl_options.get(k)!r})" for k in sorted(set(theirs) | set(trl_options))
+            if theirs.get(k) != trl_options.get(k)]
+    raise UserError(f"run {run_name!r} is already in {root} with other TRL options: {', '.join(diff)}; pass "
+                    "attach(..., run_name=...) (or GRPOConfig(run_name=...)) for a new experiment")
 
 
 def _check_trainer(trainer) -> None:
@@ -246,6 +263,8 @@ class _Hook:
                 self._warned_closed = True
             return
         self._generated += 1
+        if self._generated == 1:
+            self._drop_later_steps(step - 1)
         if (self._generated - 1) % self.every:
             return
         if out.get("sampling_per_token_logps") is None or out.get("old_per_token_logps") is None:
@@ -264,6 +283,20 @@ class _Hook:
         rec.log_step(step, ids, mask, out["sampling_per_token_logps"], out["old_per_token_logps"],
                      advantages=out.get("advantages"), rewards=self._local_rewards(first, B),
                      group_ids=group_ids, metrics=self._new_metrics(metrics_before))  # fmt: skip
+
+    def _drop_later_steps(self, done: int) -> None:
+        """A run resumed from a checkpoint at step `done`: this rank's steps recorded after it (by the run
+        that went on past the checkpoint, on weights since thrown away) are removed, so the store holds
+        what the resumed run trains on."""
+        from mismatch_lab.store import shards
+
+        rec = self.recorder
+        later = sorted(int(d.name.split("-")[1]) for d in (rec.root / "sequences" / rec.run_id).glob("step-*")
+                       if int(d.name.split("-")[1]) > done)
+        dropped = [s for s in later if shards.drop_rank_step(rec.root, rec.run_id, s, rec.rank)]
+        if dropped:
+            warnings.warn(f"mismatch_lab: training starts after step {done}: removed this rank's {len(dropped)} step(s) "
+                          f"recorded after it before ({dropped[0]}..{dropped[-1]})", stacklevel=3)
 
     def _local_rewards(self, first: int, B: int):
         """The batch's per-completion rewards as TRL logs `reward`: reward functions' values times

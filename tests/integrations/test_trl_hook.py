@@ -100,3 +100,29 @@ def test_a_second_attach_is_refused_before_it_writes_anything(tmp_path):
     with pytest.raises(UserError, match="already called on this trainer"):
         attach(trainer, tmp_path / "other")
     assert not (tmp_path / "other").exists()
+
+
+def test_a_run_resumed_from_a_checkpoint_replaces_the_steps_recorded_after_it(tmp_path):
+    """The crashed run went on to step 6; resumed from the checkpoint of step 3, its steps 4..6 (weights
+    thrown away) make room for the resumed run's: no step holds both."""
+    first = StandIn()
+    attach(first, tmp_path / "s")
+    first.train(6)
+    resumed = StandIn()
+    resumed.state.global_step = 3  # TRL restores global_step, not its micro-step counter
+    attach(resumed, tmp_path / "s")
+    with pytest.warns(UserWarning, match=r"removed this rank's 3 step\(s\) recorded after it before \(4..6\)"):
+        resumed.train(5)
+    con = open_store(tmp_path / "s")
+    assert _steps(tmp_path / "s") == [1, 2, 3, 4, 5]
+    assert con.execute("SELECT step, count(*) FROM sequences GROUP BY step ORDER BY step").fetchall() \
+        == [(s, 4) for s in range(1, 6)]
+    # steps 4, 5 come from the resumed run (its micro-step counter restarted at 0)
+    assert con.execute("SELECT step, value FROM train_metrics WHERE name = 'trl/num_tokens' ORDER BY step").fetchall() \
+        == [(1, 0.0), (2, 1.0), (3, 2.0), (4, 0.0), (5, 1.0)]
+
+
+def test_another_experiment_under_the_same_run_name_is_refused(tmp_path):
+    attach(StandIn(), tmp_path / "s").close()
+    with pytest.raises(UserError, match=r"other TRL options: num_iterations 1 \(now 2\).*run_name="):
+        attach(StandIn(num_iterations=2), tmp_path / "s")
