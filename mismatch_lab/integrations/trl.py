@@ -291,9 +291,8 @@ class _Hook:
         from mismatch_lab.store import shards
 
         rec = self.recorder
-        later = sorted(int(d.name.split("-")[1]) for d in (rec.root / "sequences" / rec.run_id).glob("step-*")
-                       if int(d.name.split("-")[1]) > done)
-        dropped = [s for s in later if shards.drop_rank_step(rec.root, rec.run_id, s, rec.rank)]
+        dropped = [s for s in shards.run_steps(rec.root, rec.run_id)
+                   if s > done and shards.drop_rank_step(rec.root, rec.run_id, s, rec.rank)]
         if dropped:
             warnings.warn(f"mismatch_lab: training starts after step {done}: removed this rank's {len(dropped)} step(s) "
                           f"recorded after it before ({dropped[0]}..{dropped[-1]})", stacklevel=3)

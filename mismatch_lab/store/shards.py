@@ -177,6 +177,11 @@ def run_differences(old: dict, new: dict) -> list[str]:
     return [f"{k} {theirs[k]!r} (now {ours[k]!r})" for k in SAME_RUN_KEYS if theirs[k] != ours[k]]
 
 
+def run_steps(root: Path, run_id: str) -> list[int]:
+    """The steps of the run that have a folder (`step_dir`) in its sequences table, any rank's, sorted."""
+    return sorted(int(d.name.removeprefix("step-")) for d in (root / "sequences" / run_id).glob("step-*"))
+
+
 def drop_rank_step(root: Path, run_id: str, step: int, rank: int) -> int:
     """Remove rank `rank`'s committed shards of (run, step) in every step table, sequences first (the unit
     turns invisible before its parts go); returns how many files were removed. A resumed writer calls it
