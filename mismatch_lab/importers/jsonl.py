@@ -46,9 +46,8 @@ from mismatch_lab.importers.jsonlines import (
     lengths,
     number,
     read_batches,
-    token_id,
 )
-from mismatch_lab.record.arrow import MAX_RANKS
+from mismatch_lab.record.arrow import MAX_RANKS, is_token_id
 from mismatch_lab.record.flat import FlatBatch
 
 FRAMEWORK = "jsonl"
@@ -218,7 +217,7 @@ def _normalize(obj: dict) -> dict | str:
         rank = 0
     if not _integer(rank) or not 0 <= rank < MAX_RANKS:
         return f"field 'rank' must be an integer in [0, {MAX_RANKS})"
-    problem = check_list(obj, "token_ids", token_id, ID_TEXT, True, None)
+    problem = check_list(obj, "token_ids", is_token_id, ID_TEXT, True, None)
     if problem:
         return problem
     n = len(obj["token_ids"])
@@ -253,7 +252,7 @@ def _normalize(obj: dict) -> dict | str:
     if (ids is None) != (lps is None):
         return "rollout_topk_ids and rollout_topk_logps go together: give both or neither"
     if ids is not None:
-        for name, v, item in (("rollout_topk_ids", ids, token_id), ("rollout_topk_logps", lps, _num_or_null)):
+        for name, v, item in (("rollout_topk_ids", ids, is_token_id), ("rollout_topk_logps", lps, _num_or_null)):
             if not isinstance(v, list) or not all(isinstance(k, list) and all(item(x) for x in k) for k in v):
                 return f"field {name!r} must be a list (one per token) of lists"
             if len(v) != n:

@@ -24,7 +24,7 @@ import pyarrow.json as pj
 
 from mismatch_lab.errors import UserError
 from mismatch_lab.importers.base import count_nonblank, line_of_row
-from mismatch_lab.record.arrow import TOKEN_ID_END, bad_token_ids
+from mismatch_lab.record.arrow import bad_token_ids
 
 BLOCK_SIZE = 64 << 20
 """Bytes of JSON per Arrow block. A line longer than a block is read again with larger blocks."""
@@ -212,10 +212,6 @@ def bad_id_rows(col: pa.Array) -> np.ndarray:
 ID_TEXT = "token ids (integers in [0, 2^31))"
 """How errors name what a token-id field must hold."""
 
-
-def token_id(x) -> bool:
-    """A JSON value that is a token id: an integer (not a boolean) in [0, 2^31)."""
-    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < TOKEN_ID_END
 
 
 def check_aligned(problems: Problems, batch: pa.RecordBatch, base_len: np.ndarray, fields: dict[str, bool],

@@ -54,8 +54,8 @@ from mismatch_lab.importers.jsonlines import (
     lengths,
     number,
     read_batches_duckdb,
-    token_id,
 )
+from mismatch_lab.record.arrow import is_token_id
 from mismatch_lab.record.flat import FlatBatch
 
 FRAMEWORK = "prime-rl"
@@ -163,7 +163,7 @@ def _check_line(step: int):
         s = obj.get("export_step", obj.get("step"))
         if s != step:
             return f"export_step/step {s!r} differs from the step folder step_{step}"
-        problem = check_list(obj, "token_ids", token_id, ID_TEXT, True, None)
+        problem = check_list(obj, "token_ids", is_token_id, ID_TEXT, True, None)
         if problem:
             return problem
         n = len(obj["token_ids"])

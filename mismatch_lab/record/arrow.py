@@ -29,6 +29,12 @@ TOKEN_ID_END = 1 << 31
 """Token ids are stored as INTEGER: a stored id (sampled or top-K) is a whole number in [0, 2^31)."""
 
 
+def is_token_id(x) -> bool:
+    """One value (a Python or numpy scalar, e.g. from JSON) that is a token id: an integer, not a boolean,
+    in [0, TOKEN_ID_END)."""
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_)) and 0 <= x < TOKEN_ID_END
+
+
 def bad_token_ids(ids) -> np.ndarray:
     """bool array shaped like `ids` (any numeric dtype; Python ints of any size): True where an entry is
     not a whole number in [0, TOKEN_ID_END) -- negative, too large, fractional, NaN, a boolean."""
@@ -39,9 +45,7 @@ def bad_token_ids(ids) -> np.ndarray:
         with np.errstate(invalid="ignore"):
             return ~((a >= 0) & (a < TOKEN_ID_END) & (a == np.floor(a)))
     if a.dtype.kind == "O":
-        ok = [isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_)) and 0 <= x < TOKEN_ID_END
-              for x in a.reshape(-1)]
-        return ~np.array(ok, dtype=bool).reshape(a.shape)
+        return ~np.array([is_token_id(x) for x in a.reshape(-1)], dtype=bool).reshape(a.shape)
     return np.ones(a.shape, dtype=bool)
 
 
