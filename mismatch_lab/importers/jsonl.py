@@ -47,12 +47,13 @@ from mismatch_lab.importers.jsonlines import (
     number,
     read_batches,
 )
-from mismatch_lab.record.arrow import MAX_RANKS, is_token_id
+from mismatch_lab.record.arrow import INT_RANGE, MAX_RANKS, STEP_END, is_token_id
 from mismatch_lab.record.flat import FlatBatch
 
 FRAMEWORK = "jsonl"
 HELP = "mismatch-lab's own JSON-lines format, one sequence a line (docs/import.md)"
 PYTHON_BATCH = 5000  # lines per batch on the line-by-line path
+STEP_TEXT = f"field 'step' must be an integer in {INT_RANGE}"
 
 _F = pa.list_(pa.float64())
 _I = pa.list_(pa.int64())
@@ -110,7 +111,7 @@ def _batches(path: Path, row0: int, batch: pa.RecordBatch):
     step = batch.column("step")
     p.add(step.is_null().to_numpy(zero_copy_only=False), "field 'step' is missing (or null)")
     s = pc.fill_null(step, 0).to_numpy()
-    p.add((s < 0) | (s >= 1 << 31), "field 'step' must be an integer in [0, 2^31)")
+    p.add((s < 0) | (s >= STEP_END), STEP_TEXT)
     r = pc.fill_null(batch.column("rank"), 0).to_numpy()
     p.add((r < 0) | (r >= MAX_RANKS), f"field 'rank' must be an integer in [0, {MAX_RANKS})")
     token_ids = batch.column("token_ids")
@@ -210,8 +211,8 @@ def _normalize(obj: dict) -> dict | str:
     step = obj.get("step")
     if step is None:
         return "field 'step' is missing (or null)"
-    if not _integer(step) or not 0 <= step < 1 << 31:
-        return "field 'step' must be an integer in [0, 2^31)"
+    if not _integer(step) or not 0 <= step < STEP_END:
+        return STEP_TEXT
     rank = obj.get("rank", 0)
     if rank is None:
         rank = 0

@@ -24,7 +24,7 @@ import pyarrow.json as pj
 
 from mismatch_lab.errors import UserError
 from mismatch_lab.importers.base import count_nonblank, line_of_row
-from mismatch_lab.record.arrow import bad_token_ids
+from mismatch_lab.record.arrow import INT_RANGE, bad_token_ids
 
 BLOCK_SIZE = 64 << 20
 """Bytes of JSON per Arrow block. A line longer than a block is read again with larger blocks."""
@@ -198,7 +198,7 @@ def has_null_items(col: pa.Array) -> np.ndarray:
 
 
 def bad_id_rows(col: pa.Array) -> np.ndarray:
-    """[R] rows of a list<integer> column holding an id that is not a whole number in [0, 2^31)
+    """[R] rows of a list<integer> column holding an id that is not a whole number in INT_RANGE
     (`record.arrow.bad_token_ids`; null items are reported by `has_null_items`)."""
     values = pc.list_flatten(col)
     bad = np.zeros(len(col), dtype=bool)
@@ -209,7 +209,7 @@ def bad_id_rows(col: pa.Array) -> np.ndarray:
     return bad
 
 
-ID_TEXT = "token ids (integers in [0, 2^31))"
+ID_TEXT = f"token ids (integers in {INT_RANGE})"
 """How errors name what a token-id field must hold."""
 
 

@@ -107,7 +107,7 @@ def _floats(value, where: str, name: str) -> np.ndarray:
 
 
 def _ids(value, where: str, name: str) -> np.ndarray:
-    """A token-id field (any shape) as int64, each id a whole number in [0, 2^31) (UserError otherwise)."""
+    """A token-id field (any shape) as int64, each id a whole number in INT_RANGE (UserError otherwise)."""
     try:
         a = _array(value, None)
     except (TypeError, ValueError) as exc:

@@ -14,19 +14,21 @@ MAX_SEQUENCES = 1 << INDEX_BITS
 coordination (4096 ranks, 2^20 sequences per rank and step)."""
 
 
+INT_END = 1 << 31
+INT_RANGE = "[0, 2^31)"
+"""Steps and token ids are stored as INTEGER: each is a whole number in INT_RANGE = [0, INT_END)."""
+TOKEN_ID_END = STEP_END = INT_END
+
+
 def seq_ids(step: int, rank: int, first_index: int, n: int) -> np.ndarray:
     """[n] int64 sequence ids of `n` sequences of (step, rank) starting at `first_index`."""
     if not 0 <= rank < MAX_RANKS:
         raise ValueError(f"rank {rank} outside [0, {MAX_RANKS})")
     if first_index + n > MAX_SEQUENCES:
         raise ValueError(f"more than {MAX_SEQUENCES} sequences for one (step, rank)")
-    if not 0 <= step < (1 << 31):
-        raise ValueError(f"step {step} outside [0, 2^31)")
+    if not 0 <= step < STEP_END:
+        raise ValueError(f"step {step} outside {INT_RANGE}")
     return (np.int64(step) << 32) | (np.int64(rank) << INDEX_BITS) | np.arange(first_index, first_index + n, dtype=np.int64)
-
-
-TOKEN_ID_END = 1 << 31
-"""Token ids are stored as INTEGER: a stored id (sampled or top-K) is a whole number in [0, 2^31)."""
 
 
 def is_token_id(x) -> bool:

@@ -25,6 +25,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from mismatch_lab.record.arrow import (
+    INT_RANGE,
     bad_token_ids,
     contract_table,
     describe_bad_ids,
@@ -139,7 +140,7 @@ def batch_tables(run_id: str, f: FlatBatch, first_index: int, scorer: str, texts
         token_ids = np.asarray(f.token_ids)[sel]
         bad = bad_token_ids(token_ids)
         if bad.any():
-            raise ValueError(f"token ids at stored positions must be whole numbers in [0, 2^31); got "
+            raise ValueError(f"token ids at stored positions must be whole numbers in {INT_RANGE}; got "
                              f"{describe_bad_ids(token_ids, bad)}")
         tok["token_id"] = pa.array(token_ids.astype(np.int32))
         if texts is not None:
@@ -153,7 +154,7 @@ def batch_tables(run_id: str, f: FlatBatch, first_index: int, scorer: str, texts
         values = pc.list_flatten(topk_ids).to_numpy(zero_copy_only=False)
         bad = bad_token_ids(values)
         if bad.any():
-            raise ValueError(f"rollout top-K ids must be whole numbers in [0, 2^31); got {describe_bad_ids(values, bad)}")
+            raise ValueError(f"rollout top-K ids must be whole numbers in {INT_RANGE}; got {describe_bad_ids(values, bad)}")
         tok["topk_ids_rollout"] = topk_ids.cast(TOKEN_TYPES["topk_ids_rollout"])
         tok["topk_logps_rollout"] = _float_lists(f.topk_logps.take(take))
     adv_tok = None if f.advantage is None else np.asarray(f.advantage, dtype=np.float64)[sel]

@@ -18,6 +18,7 @@ import numpy as np
 import pyarrow as pa
 
 from mismatch_lab.record.arrow import (
+    INT_RANGE,
     MAX_RANKS,
     MAX_SEQUENCES,
     bad_token_ids,
@@ -72,7 +73,7 @@ class StepArrays:
             k_ids = k_ids[k_ids != -1]  # -1 pads ragged lists
             bad = bad_token_ids(k_ids)
             if bad.any():
-                raise ValueError(f"rollout_topk_ids must be whole numbers in [0, 2^31), or -1 for padding; got "
+                raise ValueError(f"rollout_topk_ids must be whole numbers in {INT_RANGE}, or -1 for padding; got "
                                  f"{describe_bad_ids(k_ids, bad)}")
         for name, values in (self.sequence_columns or {}).items():
             if len(values) != B:
@@ -86,7 +87,7 @@ class StepArrays:
         ids = np.asarray(self.token_ids)[mask.astype(bool)]  # stored as INTEGER: no wrap, no truncation
         bad = bad_token_ids(ids)
         if bad.any():
-            raise ValueError(f"token_ids at response positions must be whole numbers in [0, 2^31); got "
+            raise ValueError(f"token_ids at response positions must be whole numbers in {INT_RANGE}; got "
                              f"{describe_bad_ids(ids, bad)}")
 
     def first_rows(self, n: int) -> StepArrays:
