@@ -33,7 +33,7 @@ import math
 from mismatch_lab.corrections import defaults as _published
 
 # the rollout label and the reference scorer are part of the data contract (store.schema); re-exported
-from mismatch_lab.store.schema import REFERENCE_SCORER, rollout_label_sql  # noqa: F401 - re-exported
+from mismatch_lab.store.schema import MAX_LOG_RATIO, REFERENCE_SCORER, rollout_label_sql  # noqa: F401 - re-exported
 
 # -- labels ---------------------------------------------------------------------------------------
 ROLLOUT_LABEL_SQL = rollout_label_sql("runs")
@@ -98,7 +98,6 @@ def dppo_tv_sql(adv: str, pi: str, mu: str, delta: float) -> str:
 
 
 # -- per-token SQL expressions over columns `lmu` (log mu) and `lpi` (log pi) ---------------------
-MAX_LOG_RATIO = math.log(1.7976931348623157e308)  # exp() of more overflows a double
 
 
 def finite_sql(lmu: str = "lmu", lpi: str = "lpi", nonfinite: str | None = "nonfinite") -> str:

@@ -33,6 +33,7 @@ from mismatch_lab.record.arrow import (
     repeat,
     seq_ids,
 )
+from mismatch_lab.store.schema import MAX_LOG_RATIO
 from mismatch_lab.store.writer import SCORE_TYPES, SEQUENCE_TYPES, TOKEN_TYPES
 
 TOKENS_STORED = "loss-mask (response) tokens only; pos counts from the first one"
@@ -72,8 +73,8 @@ class BatchStats:
     sequences: int = 0
     skipped_samples: int = 0  # samples without a stored position
     tokens: int = 0
-    nonfinite: int = 0  # tokens whose log mu or log pi is not finite
-    abs_diff_sum: float = 0.0  # sum |log pi - log mu| over tokens where both are finite
+    nonfinite: int = 0  # tokens not finite as the analyses count them (log mu, log pi or r not finite)
+    abs_diff_sum: float = 0.0  # sum |log pi - log mu| over the finite tokens
     finite: int = 0
 
     def add(self, other: BatchStats) -> None:
@@ -167,8 +168,9 @@ def batch_tables(run_id: str, f: FlatBatch, first_index: int, scorer: str, texts
         sc["entropy"], _ = floats(np.asarray(f.entropy, dtype=np.float64)[sel])
     bad = bad_mu | bad_pi
     sc["nonfinite"] = pa.array(bad, type=pa.bool_())
-    good = ~bad
-    stats.nonfinite = int(bad.sum())
+    with np.errstate(invalid="ignore"):  # the summary counts rows as the analyses do: r must not overflow
+        good = ~bad & (pi - mu < MAX_LOG_RATIO)
+    stats.nonfinite = int(n - good.sum())
     stats.finite = int(good.sum())
     stats.abs_diff_sum = float(np.abs(pi[good] - mu[good]).sum())
 

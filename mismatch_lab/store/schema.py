@@ -9,6 +9,8 @@ together with its row in `chunks_done`, so a crash leaves either the whole chunk
 
 from __future__ import annotations
 
+import math
+
 SCHEMA_VERSION = "1"
 
 RUN_KINDS = ("collect", "train", "record", "import")
@@ -105,6 +107,10 @@ def _create_table(table: str) -> str:
 
 DDL = [_create_table(t) for t in COLUMNS]
 
+
+MAX_LOG_RATIO = math.log(1.7976931348623157e308)
+"""A (token, scorer) row whose log pi - log mu reaches this counts as non-finite: r = exp() of it overflows a
+double (analysis.definitions.finite_sql; the import and Recorder summaries count the same way)."""
 
 REFERENCE_SCORER = "hf:fp32"
 """The scorer `scores.tv_exact_vs_ref` / `kl_exact_vs_ref` are measured against (the HF trainer at fp32)."""

@@ -103,6 +103,22 @@ def test_nonfinite_values(cli, tmp_path):
     assert [t["nonfinite"] for t in toks] == [True, True, True, False]
 
 
+def test_summary_counts_an_overflowing_ratio_as_analyze_does(cli, tmp_path):
+    # log pi - log mu = 799.5: both stored values are finite, r = exp(799.5) overflows a double
+    f = tmp_path / "of.jsonl"
+    f.write_text('{"step": 0, "token_ids": [1, 2, 3], "logp_rollout": [-800.0, -0.5, -1.0], '
+                 '"logp_trainer": [-0.5, -0.5, -1.25]}\n')
+    store = tmp_path / "store"
+    code, out, _ = cli("import", "jsonl", f, "--out", store)
+    assert code == 0 and "non-finite  1 tokens" in out and "0.125 over 2 finite tokens" in out
+    assert [t["nonfinite"] for t in stored(store, "of")[(0, 0, 0)]["tokens"]] == [False, False, False]  # values kept
+    from mismatch_lab.analysis.steps import step_series
+    from mismatch_lab.store.reader import open_store
+
+    row = step_series(open_store(store)).iloc[0]
+    assert (row["n_finite"], row["n_nonfinite"]) == (2, 1)
+
+
 def test_two_files_into_one_run_do_not_collide(cli, tmp_path):
     a = jsonl_lines(3, n=4)
     b = jsonl_lines(4, n=4)
