@@ -71,7 +71,8 @@ TOP_N_TOKENS = 30
 ADV_SIGNS = ("positive", "negative")
 """Advantage signs. A sequence's advantage is `sequences.advantage`; where only `reward` is stored it is
 reward - mean(reward) over the sequences of the same (run_id, step, prompt_id) (GRPO's group baseline;
-only the sign is used, so the std normalisation does not matter). Advantage 0 or NULL has no sign."""
+only the sign is used, so the std normalisation does not matter); sequences without a prompt_id form one
+group per (run_id, step): the batch mean. Advantage 0 or NULL has no sign."""
 
 def group_advantage_sql(advantage: str, reward: str, group: str) -> str:
     """SQL of a sequence's advantage: `advantage` where stored, else its reward minus the mean reward of its
