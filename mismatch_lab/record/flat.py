@@ -111,32 +111,60 @@ def _float_lists(lists: pa.Array) -> pa.Array:
     return pa.ListArray.from_arrays(rebased, inner, type=lists.type, mask=mask)
 
 
-def batch_tables(run_id: str, f: FlatBatch, first_index: int, scorer: str, texts: TextLookup | None = None,
-                 *, ids: np.ndarray | None = None, keep_empty: bool = False) -> tuple[dict[str, pa.Table], BatchStats]:
-    """The sequences, tokens and scores rows of `f`. Its kept samples (those with a stored position, or
-    all with keep_empty) get sequence indices `first_index, first_index + 1, ...` of (f.step, f.rank)
-    (`record.arrow.seq_ids`), or the seq_id values `ids` [S] when given."""
+@dataclass(frozen=True)
+class _Layout:
+    """Where the stored positions of a FlatBatch go: `sel` [n] their flat indices, `row` [n] each one's
+    sequence row among the kept samples, `kept` [K] the kept samples, `first` [K] each kept sample's first
+    stored position (its start if none), `ids` [K] seq_ids, `lens` [K] stored positions per kept sample."""
+
+    sel: np.ndarray
+    row: np.ndarray
+    kept: np.ndarray
+    first: np.ndarray
+    ids: np.ndarray
+    lens: np.ndarray
+
+
+def _layout(f: FlatBatch, first_index: int, ids: np.ndarray | None, keep_empty: bool) -> _Layout:
     S = f.n_samples
-    lengths = np.diff(f.offsets)
-    sample_of = np.repeat(np.arange(S), lengths)
+    sample_of = np.repeat(np.arange(S), np.diff(f.offsets))
     sel = np.flatnonzero(np.asarray(f.mask, dtype=bool))
     b = sample_of[sel]  # non-decreasing: positions are laid out sample after sample
     lens_all = np.bincount(b, minlength=S)
     kept = np.arange(S) if keep_empty else np.flatnonzero(lens_all > 0)
     K, n = len(kept), len(sel)
-    stats = BatchStats(sequences=K, skipped_samples=S - K, tokens=n)
     row_of = np.full(S, -1, dtype=np.int64)
     row_of[kept] = np.arange(K)
-    row = row_of[b]  # each stored token's row among the kept samples
     starts = np.searchsorted(b, kept)  # flat index of each kept sample's first stored position (its start if none)
     first = np.where(lens_all[kept] > 0, sel[np.minimum(starts, max(n - 1, 0))] if n else 0, f.offsets[kept])
     ids = seq_ids(f.step, f.rank, first_index, K) if ids is None else np.asarray(ids, dtype=np.int64)[kept]
-    lens = lens_all[kept].astype(np.int32)
+    return _Layout(sel, row_of[b], kept, first, ids, lens_all[kept].astype(np.int32))
 
-    run_tok = repeat(run_id, n, pa.string())
-    seq_tok = pa.array(ids[row], type=pa.int64())
-    pos = pa.array((sel - first[row]).astype(np.int32))
-    tok = {"run_id": run_tok, "seq_id": seq_tok, "pos": pos, "token_id": pa.nulls(n, pa.int32())}
+
+def batch_tables(run_id: str, f: FlatBatch, first_index: int, scorer: str, texts: TextLookup | None = None,
+                 *, ids: np.ndarray | None = None, keep_empty: bool = False) -> tuple[dict[str, pa.Table], BatchStats]:
+    """The sequences, tokens and scores rows of `f`. Its kept samples (those with a stored position, or
+    all with keep_empty) get sequence indices `first_index, first_index + 1, ...` of (f.step, f.rank)
+    (`record.arrow.seq_ids`), or the seq_id values `ids` [S] when given."""
+    L = _layout(f, first_index, ids, keep_empty)
+    n, K = len(L.sel), len(L.kept)
+    keys = {"run_id": repeat(run_id, n, pa.string()), "seq_id": pa.array(L.ids[L.row], type=pa.int64()),
+            "pos": pa.array((L.sel - L.first[L.row]).astype(np.int32))}
+    tok, adv_tok = _token_columns(f, L, keys, texts)
+    sc, stats = _score_columns(f, L, keys, scorer)
+    stats.sequences, stats.skipped_samples = K, f.n_samples - K
+    tables = {
+        "sequences": contract_table(_sequence_columns(f, L, run_id, adv_tok), SEQUENCE_TYPES),
+        "tokens": _dictionary(contract_table(tok, TOKEN_TYPES), {"run_id": run_id}),
+        "scores": _dictionary(contract_table(sc, SCORE_TYPES), {"run_id": run_id, "scorer": scorer}),
+    }
+    return tables, stats
+
+
+def _token_columns(f: FlatBatch, L: _Layout, keys: dict, texts: TextLookup | None) -> tuple[dict, np.ndarray | None]:
+    """The tokens columns of the stored positions, and their per-token advantages [n] (None if not given)."""
+    sel, n = L.sel, len(L.sel)
+    tok = {**keys, "token_id": pa.nulls(n, pa.int32())}
     if f.token_ids is not None:
         token_ids = np.asarray(f.token_ids)[sel]
         bad = bad_token_ids(token_ids)
@@ -146,9 +174,7 @@ def batch_tables(run_id: str, f: FlatBatch, first_index: int, scorer: str, texts
         tok["token_id"] = pa.array(token_ids.astype(np.int32))
         if texts is not None:
             tok["token_text"], tok["category"] = texts(token_ids)
-    mu = np.asarray(f.logp_rollout, dtype=np.float64)[sel]
-    pi = np.asarray(f.logp_trainer, dtype=np.float64)[sel]
-    tok["logp_rollout"], bad_mu = floats(mu)
+    tok["logp_rollout"], _ = floats(np.asarray(f.logp_rollout, dtype=np.float64)[sel])
     if f.topk_ids is not None:
         take = pa.array(sel)
         topk_ids = f.topk_ids.take(take)
@@ -161,48 +187,55 @@ def batch_tables(run_id: str, f: FlatBatch, first_index: int, scorer: str, texts
     adv_tok = None if f.advantage is None else np.asarray(f.advantage, dtype=np.float64)[sel]
     if adv_tok is not None:
         tok["advantage"], _ = floats(adv_tok)
+    return tok, adv_tok
 
+
+def _score_columns(f: FlatBatch, L: _Layout, keys: dict, scorer: str) -> tuple[dict, BatchStats]:
+    """The scores columns of the stored positions (`nonfinite` where log mu or log pi is not finite), and
+    the batch's token counts and sum |log pi - log mu| over the rows the analyses count as finite."""
+    mu = np.asarray(f.logp_rollout, dtype=np.float64)[L.sel]
+    pi = np.asarray(f.logp_trainer, dtype=np.float64)[L.sel]
+    n = len(L.sel)
     logp, bad_pi = floats(pi)
-    sc = {"run_id": run_tok, "seq_id": seq_tok, "pos": pos, "scorer": repeat(scorer, n, pa.string()), "logp": logp}
+    sc = {**keys, "scorer": repeat(scorer, n, pa.string()), "logp": logp}
     if f.entropy is not None:
-        sc["entropy"], _ = floats(np.asarray(f.entropy, dtype=np.float64)[sel])
-    bad = bad_mu | bad_pi
+        sc["entropy"], _ = floats(np.asarray(f.entropy, dtype=np.float64)[L.sel])
+    bad = ~np.isfinite(mu) | bad_pi
     sc["nonfinite"] = pa.array(bad, type=pa.bool_())
     with np.errstate(invalid="ignore"):  # the summary counts rows as the analyses do: r must not overflow
         good = ~bad & (pi - mu < MAX_LOG_RATIO)
-    stats.nonfinite = int(n - good.sum())
-    stats.finite = int(good.sum())
-    stats.abs_diff_sum = float(np.abs(pi[good] - mu[good]).sum())
+    stats = BatchStats(tokens=n, nonfinite=int(n - good.sum()), finite=int(good.sum()),
+                       abs_diff_sum=float(np.abs(pi[good] - mu[good]).sum()))
+    return sc, stats
 
-    seq = {"run_id": repeat(run_id, K, pa.string()), "seq_id": pa.array(ids, type=pa.int64())}
+
+def _sequence_columns(f: FlatBatch, L: _Layout, run_id: str, adv_tok: np.ndarray | None) -> dict:
+    """The sequences columns of the kept samples."""
+    kept, K = L.kept, len(L.kept)
+    seq = {"run_id": repeat(run_id, K, pa.string()), "seq_id": pa.array(L.ids, type=pa.int64())}
     if f.prompt_id is not None:
         seq["prompt_id"] = pa.array(np.asarray(f.prompt_id, dtype=object)[kept], type=pa.string())
     seq["step"] = repeat(int(f.step), K, pa.int32())
-    seq["response_len"] = pa.array(lens)
+    seq["response_len"] = pa.array(L.lens)
     if f.reward is not None:
         seq["reward"], _ = floats(np.asarray(f.reward, dtype=np.float64)[kept])
     elif f.token_reward is not None:
-        seq["reward"], _ = floats(np.asarray(f.token_reward, dtype=np.float64)[first])
+        seq["reward"], _ = floats(np.asarray(f.token_reward, dtype=np.float64)[L.first])
     seq_adv = None if f.seq_advantage is None else np.asarray(f.seq_advantage, dtype=np.float64)[kept]
     if adv_tok is not None:  # the sample's mean advantage over its stored tokens (NaN if one is missing)
         with np.errstate(invalid="ignore", divide="ignore"):  # an empty kept sample: NaN -> NULL
-            mean = np.bincount(row, weights=adv_tok, minlength=K) / lens
+            mean = np.bincount(L.row, weights=adv_tok, minlength=K) / L.lens
         seq_adv = mean if seq_adv is None else np.where(np.isnan(seq_adv), mean, seq_adv)
     if seq_adv is not None:
         seq["advantage"], _ = floats(seq_adv)
     if f.prompt_before_mask:
-        seq["prompt_len"] = pa.array((first - f.offsets[kept]).astype(np.int32))
+        seq["prompt_len"] = pa.array((L.first - f.offsets[kept]).astype(np.int32))
     elif f.prompt_len is not None:
         seq["prompt_len"] = pa.array(np.asarray(f.prompt_len)[kept].astype(np.int32))
     take_kept = pa.array(kept)
     for name, values in f.extra.items():
         seq[name] = values.take(take_kept)
-    tables = {
-        "sequences": contract_table(seq, SEQUENCE_TYPES),
-        "tokens": _dictionary(contract_table(tok, TOKEN_TYPES), {"run_id": run_id}),
-        "scores": _dictionary(contract_table(sc, SCORE_TYPES), {"run_id": run_id, "scorer": scorer}),
-    }
-    return tables, stats
+    return seq
 
 
 def _dictionary(table: pa.Table, constants: dict[str, str]) -> pa.Table:
