@@ -180,7 +180,6 @@ def fig9_steps(con: duckdb.DuckDBPyConnection, rows=None) -> list[tuple[str, Fig
     series = series[has_finite]
     if series.empty:
         raise Skip("no run over training steps (sequences.step) with finite scored tokens in this store")
-    gaps = series[series["n_finite"] == 0]  # steps whose every row is non-finite: a gap in their line
     label = run_labels(con, series["run_id"].unique())
     lines = [(key, g.sort_values("step")) for key, g in series.groupby(keys, sort=True)]
     styles = line_styles(len(lines))
@@ -210,11 +209,22 @@ def fig9_steps(con: duckdb.DuckDBPyConnection, rows=None) -> list[tuple[str, Fig
         ax.tick_params(labelsize=7)
         if len(lines) <= MAX_LEGEND_LINES:  # under the axes: long labels would cover the curves
             ax.legend(fontsize=5.5, loc="upper left", bbox_to_anchor=(0.0, -0.18), frameon=False)
+    caption = _steps_caption(series, lines, label, fits["abs_dp_mean"], unmeasured)
+    return [("fig9_mismatch_over_steps", finish(fig, "Mismatch over training steps", caption))]
+
+
+def _steps_caption(series: pd.DataFrame, lines: list, label: dict, dp_fits: dict, unmeasured: pd.DataFrame) -> str:
+    """Figure 9's caption: each line's steps, tokens and growth of mean |dp| (`dp_fits`: line key -> fit),
+    the steps without a finite row (gaps) and the lines not drawn (`unmeasured`: no finite row at all)."""
+    from mismatch_lab.figures.base import pair_label
+
+    keys = ["run_id", "rollout", "scorer"]
+    gaps = series[series["n_finite"] == 0]  # steps whose every row is non-finite: a gap in their line
     per_line = "; ".join(
         f"{label.get(key[0], key[0])} {pair_label(*key[1:])}: {g['step'].nunique()} steps"
         + (f" ({int((g['n_finite'] == 0).sum())} without a finite row)" if (g["n_finite"] == 0).any() else "")
         + f", n = {int(g['n_finite'].sum()):,} tokens"
-        + (f", mean |Δp| {_growth_text(fits['abs_dp_mean'][key])}" if key in fits["abs_dp_mean"] else "")
+        + (f", mean |Δp| {_growth_text(dp_fits[key])}" if key in dp_fits else "")
         for key, g in lines[:12]
     ) + ("; …" if len(lines) > 12 else "")
     caption = (
@@ -232,4 +242,4 @@ def fig9_steps(con: duckdb.DuckDBPyConnection, rows=None) -> list[tuple[str, Fig
            f"({int(unmeasured['n_nonfinite'].sum()):,} non-finite rows)." if len(unmeasured) else "")
         + ("" if len(lines) <= MAX_LEGEND_LINES else " Too many lines for a legend: see the analysis table.")
     )
-    return [("fig9_mismatch_over_steps", finish(fig, "Mismatch over training steps", caption))]
+    return caption
