@@ -1,0 +1,134 @@
+"""The Recorder's promises to a training loop: its own config keys, one live writer per (run, rank), a step's
+sequence cap over its calls, a re-logged step replaced only once the new rows are staged, one-line errors
+for bad steps, ranks, metrics and tokenizers (nothing written before them)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from mismatch_lab.errors import UserError
+from mismatch_lab.record import Recorder
+from mismatch_lab.store import shards
+from mismatch_lab.store.reader import open_store
+
+
+def _batch(B: int = 4, T: int = 6, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 500, (B, T), generator=g)
+    mask = torch.ones(B, T, dtype=torch.bool)
+    lmu = -torch.rand(B, T, generator=g)
+    return ids, mask, lmu, lmu + 0.01
+
+
+def _count(store, sql="SELECT count(*) FROM tokens"):
+    return open_store(store).execute(sql).fetchone()[0]
+
+
+def test_config_may_not_override_what_the_recorder_writes(tmp_path):
+    with pytest.raises(UserError, match=r"config= holds every, scorer, which the Recorder writes itself"):
+        Recorder(tmp_path / "s", "r", framework="trl", config={"every": 1, "scorer": "hf:fp32", "lr": 1e-6})
+    assert not (tmp_path / "s").exists()
+    with Recorder(tmp_path / "s", "r", framework="trl", config={"lr": 1e-6}) as rec:
+        rec.log_step(0, *_batch())
+    cfg = open_store(tmp_path / "s").execute("SELECT config FROM runs").fetchone()[0]
+    assert '"lr": 1e-06' in cfg and '"scorer": "trl:trainer"' in cfg
+
+
+def test_a_second_live_writer_of_one_rank_is_refused_other_ranks_and_closed_ones_are_not(tmp_path):
+    store = tmp_path / "s"
+    first = Recorder(store, "r", framework="trl")
+    first.log_step(0, *_batch())
+    with pytest.raises(UserError, match=r"another Recorder of rank 0 into run 'r' .* is running \(pid \d+"):
+        Recorder(store, "r", framework="trl")
+    with Recorder(store, "r", framework="trl", rank=1) as other:
+        other.log_step(0, *_batch(seed=1))
+    first.close()
+    with Recorder(store, "r", framework="trl") as again:  # the lock went with close()
+        again.log_step(1, *_batch(seed=2))
+    assert _count(store) == 3 * 24
+    assert not list(store.glob(".record-*.lock"))
+
+
+def test_max_sequences_per_step_caps_the_step_over_its_calls(tmp_path):
+    with Recorder(tmp_path / "s", "r", framework="trl", max_sequences_per_step=5) as rec:
+        ids, mask, lmu, lpi = _batch(B=3)
+        assert [rec.log_step(0, ids, mask, lmu, lpi) for _ in range(3)] == [18, 12, 0]  # 3 + 2 + 0 sequences
+        assert rec.log_step(1, ids, mask, lmu, lpi) == 18
+    con = open_store(tmp_path / "s")
+    assert con.execute("SELECT step, count(*) FROM sequences GROUP BY step ORDER BY step").fetchall() == [(0, 5), (1, 3)]
+    with pytest.raises(UserError, match=r"max_sequences_per_step \(or None\) must be a whole number in ≥ 1, got 2.5"):
+        Recorder(tmp_path / "s", "q", framework="trl", max_sequences_per_step=2.5)
+
+
+def test_a_run_continues_only_with_the_sampling_it_was_recorded_with(tmp_path):
+    with Recorder(tmp_path / "s", "r", framework="trl", every=1) as rec:
+        rec.log_step(0, *_batch())
+    with pytest.raises(UserError, match=r"every 1 \(now 5\)"):
+        Recorder(tmp_path / "s", "r", framework="trl", every=5)
+    with pytest.raises(UserError, match=r"max_sequences_per_step None \(now 2\)"):
+        Recorder(tmp_path / "s", "r", framework="trl", max_sequences_per_step=2)
+
+
+def test_a_failed_relog_of_a_step_keeps_the_rows_it_would_have_replaced(tmp_path, monkeypatch):
+    store = tmp_path / "s"
+    first = Recorder(store, "r", framework="trl")
+    first.log_step(7, *_batch(), metrics={"kl": 0.5})
+    del first  # the job dies; a resumed one logs step 7 again
+    resumed = Recorder(store, "r", framework="trl")
+    with pytest.raises(UserError, match=r"metrics\['kl'\] must be a number \(or None\), got 'abc'"):
+        resumed.log_step(7, *_batch(seed=1), metrics={"kl": "abc"})
+    assert _count(store) == 24  # the metric is checked before anything of the step is touched
+
+    real_add = shards.Transaction.add
+
+    def failing_add(self, table, *args):  # the disk fills up while the new rows are staged
+        if table == "scores":
+            raise OSError(28, "No space left on device")
+        return real_add(self, table, *args)
+
+    monkeypatch.setattr(shards.Transaction, "add", failing_add)
+    with pytest.raises(OSError):
+        resumed.log_step(7, *_batch(seed=1))
+    assert _count(store) == 24 and _count(store, "SELECT count(*) FROM train_metrics") == 1
+    monkeypatch.undo()
+    assert resumed.log_step(7, *_batch(B=2, seed=1), metrics={"kl": None}) == 12
+    resumed.close()
+    assert _count(store) == 12
+    assert open_store(store).execute("SELECT value FROM train_metrics").fetchall() == [(None,)]
+    assert not [p for p in store.rglob(".*.tmp-*")]
+
+
+def test_topk_ids_at_padding_positions_are_not_checked(tmp_path):
+    ids, mask, lmu, lpi = _batch(B=2, T=4)
+    mask[:, :2] = False  # prompt positions
+    ids[:, :2] = -100  # a loop's padding value, where nothing is stored
+    k_ids = torch.randint(0, 500, (2, 4, 3))
+    k_ids[:, :2] = -100
+    with Recorder(tmp_path / "s", "r", framework="trl") as rec:
+        assert rec.log_step(0, ids, mask, lmu, lpi, rollout_topk_ids=k_ids, rollout_topk_logps=torch.zeros(2, 4, 3)) == 4
+        k_ids[1, 3, 0] = -100  # at a response position: refused
+        with pytest.raises(UserError, match=r"rollout_topk_ids at response positions .* got -100"):
+            rec.log_step(1, ids, mask, lmu, lpi, rollout_topk_ids=k_ids, rollout_topk_logps=torch.zeros(2, 4, 3))
+
+
+@pytest.mark.parametrize("step", [-1, 2**31, 3.7, True, "5", None])
+def test_a_bad_step_is_a_one_line_error(tmp_path, step):
+    with Recorder(tmp_path / "s", "r", framework="trl") as rec:
+        with pytest.raises(UserError, match=r"step must be a whole number in \[0, 2\^31\), got "):
+            rec.log_step(step, *_batch())
+        assert rec.log_step(np.int64(3), *_batch()) == 24 and rec.log_step(torch.tensor(4), *_batch()) == 24
+
+
+def test_bad_rank_and_tokenizer_are_refused_before_the_store_is_made(tmp_path, monkeypatch):
+    monkeypatch.setenv("RANK", "abc")
+    with pytest.raises(UserError, match=r"\$RANK must be a whole number in \[0, 4096\), got 'abc'; or pass rank="):
+        Recorder(tmp_path / "s", "r", framework="trl")
+    monkeypatch.setenv("RANK", "3")
+    with pytest.raises(UserError, match=r"rank must be a whole number in \[0, 4096\), got 1.5"):
+        Recorder(tmp_path / "s", "r", framework="trl", rank=1.5)
+    monkeypatch.delenv("RANK")
+    with pytest.raises(UserError, match=r"tokenizer must be a transformers tokenizer .* got object"):
+        Recorder(tmp_path / "s", "r", framework="trl", tokenizer=object())
+    assert not (tmp_path / "s").exists()
