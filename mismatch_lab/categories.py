@@ -12,6 +12,9 @@ Categories (checked in this order, on the decoded token text with its leading sp
 | `punctuation`    | only punctuation characters (Unicode category P*, and `` ` ``, `#`, `*`, `_`, `|` ...) |
 | `word`           | everything else (words and word pieces, code identifiers, mixed text)             |
 
+An id the tokenizer does not know (at or past `len(tokenizer)`: a model's embedding rows padded beyond the
+vocabulary) has no text and no category (NULL: the analyses count it as uncategorised).
+
 The DPPO paper (Figs. 6-7) reports that PPO clips numbers, math symbols and reasoning words; the
 categories are chosen so that claim can be tested directly.
 """
@@ -58,15 +61,20 @@ def categorize(text: str, is_special: bool = False) -> str:
 
 class TokenTexts:
     """Decoded text and category of token ids through a tokenizer (cached: the vocabulary is small next
-    to a run). `texts(tid)` -> (text, category); `record.flat.TextLookup` does whole arrays."""
+    to a run). `texts(tid)` -> (text, category), (None, None) for an id past the vocabulary (module doc);
+    `record.flat.TextLookup` does whole arrays."""
 
     def __init__(self, tokenizer):
         self.tok = tokenizer
         self.special = set(tokenizer.all_special_ids)
-        self.cache: dict[int, tuple[str, str]] = {}
+        self.size = len(tokenizer)
+        self.cache: dict[int, tuple[str | None, str | None]] = {}
 
-    def __call__(self, tid: int) -> tuple[str, str]:
+    def __call__(self, tid: int) -> tuple[str | None, str | None]:
         if tid not in self.cache:
-            text = self.tok.decode([tid])
-            self.cache[tid] = (text, categorize(text, is_special=tid in self.special))
+            if not 0 <= tid < self.size:
+                self.cache[tid] = (None, None)
+            else:
+                text = self.tok.decode([tid])
+                self.cache[tid] = (text, categorize(text, is_special=tid in self.special))
         return self.cache[tid]

@@ -94,9 +94,11 @@ class TextLookup:
     def __call__(self, ids: np.ndarray) -> tuple[pa.Array, pa.Array]:
         uniq, inverse = np.unique(np.asarray(ids, dtype=np.int64), return_inverse=True)
         pairs = [self.texts(int(u)) for u in uniq]
-        index = pa.array(inverse.astype(np.int32).reshape(-1))
-        text = pa.DictionaryArray.from_arrays(index, pa.array([p[0] for p in pairs], pa.string()))
-        cat = pa.DictionaryArray.from_arrays(index, pa.array([p[1] for p in pairs], pa.string()))
+        inverse = inverse.astype(np.int32).reshape(-1)
+        unknown = np.array([p[0] is None for p in pairs], dtype=bool)[inverse]  # ids past the vocabulary: NULL
+        index = pa.array(inverse, mask=unknown if unknown.any() else None)
+        text = pa.DictionaryArray.from_arrays(index, pa.array([p[0] or "" for p in pairs], pa.string()))
+        cat = pa.DictionaryArray.from_arrays(index, pa.array([p[1] or "" for p in pairs], pa.string()))
         return text, cat
 
 

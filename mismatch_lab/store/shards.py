@@ -26,7 +26,8 @@ Why it is safe to write without a lock or a server:
 The one exception: an import numbers its sequences after the highest index the run already holds, so two
 imports into one run at the same time would pick the same ids. An import holds `run_lock` for its run (a
 kernel file lock on `.import-<run_id>.lock`, gone with the process however it ends), and a second one
-stops with an error instead.
+stops with an error instead. Likewise a Recorder holds `.record-rank-<R>-<run_id>.lock` while it is open:
+two live writers of one rank would replace each other's steps.
 Directory names hold no `=`: the reader's hive-partition parsing must not invent columns from them.
 """
 
@@ -159,9 +160,10 @@ def existing_run(root: Path, run_id: str) -> dict | None:
     return pq.read_table(rows[0]).to_pylist()[0] if rows else None
 
 
-SAME_RUN_KEYS = ("kind", "engine", "engine_dtype", "scorer", "format")
+SAME_RUN_KEYS = ("kind", "engine", "engine_dtype", "scorer", "format", "every", "max_sequences_per_step")
 """What a writer adding to an existing run must declare as the run did: its kind, rollout engine and dtype,
-and (from its config) the scorer label and the import format."""
+and (from its config) the scorer label, the import format and a Recorder's sampling (the config states it
+for the whole run)."""
 
 
 def run_differences(old: dict, new: dict) -> list[str]:
@@ -249,45 +251,61 @@ def write_run_row(root: Path, row: dict, rank: int) -> None:
     write_parquet_atomic(table, run_row_path(root, run_id, rank))
 
 
-@contextmanager
-def run_lock(root: Path, run_id: str, what: str = "import") -> Iterator[None]:
-    """Hold the exclusive `what` lock of run `run_id` in store `root` (module docstring): an advisory
-    flock on `root/.<what>-<run_id>.lock`, so a killed holder leaves no stale lock. The file names its
-    holder for the error a second process gets, and is removed on release. Raises UserError while
-    another process holds it; where the file system has no flock, warns and holds nothing."""
-    path = root / f".{what}-{check_name(run_id)}.lock"
-    while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.read(fd, 512).decode(errors="replace").strip() or "a process"
+class RunLock:
+    """The exclusive `what` lock of run `run_id` in store `root` (module docstring): an advisory flock on
+    `root/.<what>-<run_id>.lock`, so a killed holder leaves no stale lock. The file names its holder for
+    the error a second process gets (`UserError`: "another <label> into run ... is running (holder); <why>";
+    label defaults to what), and is removed on release. Where the file system has no flock, `acquire` warns
+    and holds nothing."""
+
+    def __init__(self, root: Path, run_id: str, what: str, why: str, label: str | None = None):
+        self.path, self.run_id, self.why = root / f".{what}-{check_name(run_id)}.lock", run_id, why
+        self.what = label or what
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.read(fd, 512).decode(errors="replace").strip() or "a process"
+                os.close(fd)
+                raise UserError(f"another {self.what} into run {self.run_id!r} of {self.path.parent} is running "
+                                f"({holder}); {self.why}") from None
+            except OSError as exc:  # a file system without flock (some network mounts): go on, unguarded
+                os.close(fd)
+                print(f"warning: cannot lock {self.path} ({exc.strerror}); going on without the lock: do not run "
+                      f"another {self.what} into run {self.run_id!r} until this one ends", file=sys.stderr)
+                self.path.unlink(missing_ok=True)
+                return
+            try:
+                same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:  # the last holder removed the file between our open and our lock
+                same = False
+            if same:
+                break
             os.close(fd)
-            raise UserError(
-                f"another {what} into run {run_id!r} of {root} is running ({holder}); wait for it to end: two at "
-                "once would give their sequences the same ids"
-            ) from None
-        except OSError as exc:  # a file system without flock (some network mounts): go on, unguarded
-            os.close(fd)
-            print(f"warning: cannot lock {path} ({exc.strerror}); going on without the lock: do not run another "
-                  f"{what} into run {run_id!r} until this one ends", file=sys.stderr)
-            path.unlink(missing_ok=True)
-            yield
-            return
-        try:
-            same = os.stat(path).st_ino == os.fstat(fd).st_ino
-        except FileNotFoundError:  # the last holder removed the file between our open and our lock
-            same = False
-        if same:
-            break
-        os.close(fd)
-    try:
         os.ftruncate(fd, 0)
         os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {now_utc():%Y-%m-%d %H:%M:%S} UTC".encode())
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            self.path.unlink(missing_ok=True)  # while still locked: a process that opened this file retries
+            os.close(self._fd)
+            self._fd = None
+
+
+@contextmanager
+def run_lock(root: Path, run_id: str, what: str = "import") -> Iterator[None]:
+    """Hold the import lock of run `run_id` (`RunLock`) while the block runs."""
+    lock = RunLock(root, run_id, what, "wait for it to end: two at once would give their sequences the same ids")
+    lock.acquire()
+    try:
         yield
     finally:
-        path.unlink(missing_ok=True)  # while still locked: a process that opened this file retries
-        os.close(fd)
+        lock.release()
 
 
 class Transaction:

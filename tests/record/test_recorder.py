@@ -136,6 +136,7 @@ def test_a_resumed_job_replaces_every_part_and_metric_it_logged_for_a_step(tmp_p
     first.log_step(5, ids, mask, lmu, lpi, metrics={"loss/value": 1.0})  # part 0
     first.log_step(5, ids, mask, lmu - 1.0, lpi)  # part 1 of the same step
     first.log_step(6, ids, mask, lmu, lpi)
+    del first  # the job dies without close(); its lock on (run, rank) goes with it
     resumed = Recorder(tmp_path / "s", "r", framework="trl")  # restarts at step 5, logs it once, no metrics
     resumed.log_step(5, ids, mask, lmu - 2.0, lpi)
     resumed.close()
@@ -236,7 +237,7 @@ def test_bad_input_is_an_error_naming_the_field(tmp_path):
             rec.log_step(0, floats, ok, torch.zeros(2, 3), torch.zeros(2, 3))
     with pytest.raises(UserError, match=r"mask must be bool \(or 0/1\).*0\.3"):
         rec.log_step(0, ids, torch.full((2, 3), 0.3), torch.zeros(2, 3), torch.zeros(2, 3))
-    with pytest.raises(UserError, match=r"rollout_topk_ids must be whole numbers in \[0, 2\^31\), or -1 for padding; got 3000000000"):
+    with pytest.raises(UserError, match=r"rollout_topk_ids at response positions must be whole numbers in \[0, 2\^31\), or -1 for padding; got 3000000000"):
         rec.log_step(0, ids, ok, torch.zeros(2, 3), torch.zeros(2, 3),
                      rollout_topk_ids=torch.full((2, 3, 2), 3_000_000_000), rollout_topk_logps=torch.zeros(2, 3, 2))
     with pytest.raises(UserError, match=r"close\(status='done'\): the status is one of complete, failed"):

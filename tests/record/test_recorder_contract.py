@@ -132,3 +132,15 @@ def test_bad_rank_and_tokenizer_are_refused_before_the_store_is_made(tmp_path, m
     with pytest.raises(UserError, match=r"tokenizer must be a transformers tokenizer .* got object"):
         Recorder(tmp_path / "s", "r", framework="trl", tokenizer=object())
     assert not (tmp_path / "s").exists()
+
+
+def test_an_id_past_the_tokenizers_vocabulary_has_no_text_and_no_category(tmp_path, tiny_model):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    known = tok.encode("Wait")[0]
+    ids = torch.tensor([[known, len(tok), len(tok) + 5]])  # then embedding rows past the vocabulary
+    with Recorder(tmp_path / "s", "r", framework="trl", tokenizer=tok) as rec:
+        rec.log_step(0, ids, torch.ones(1, 3, dtype=torch.bool), torch.zeros(1, 3), torch.zeros(1, 3))
+    got = open_store(tmp_path / "s").execute("SELECT token_text, category FROM tokens ORDER BY pos").fetchall()
+    assert got == [(tok.decode([known]), "connective"), (None, None), (None, None)]
