@@ -22,6 +22,7 @@ import pandas as pd
 
 from mismatch_lab.cli import json_output
 from mismatch_lab.errors import UserError
+from mismatch_lab.store.reader import STORE_HELP
 
 # The column that splits each analysis into its sub-tables for printing (see run_all).
 SPLIT = {"volatility": "scale", "clipping": "view", "precision": "comparison", "violations": "source"}
@@ -29,7 +30,7 @@ SPLIT = {"volatility": "scale", "clipping": "view", "precision": "comparison", "
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--db", required=True, metavar="PATH",
-                        help="the store: a .duckdb file, a directory of <table>.parquet files, or a study directory")
+                        help=STORE_HELP)
     parser.add_argument("--json", metavar="FILE", help="also write every table to FILE as JSON (NaN -> null)")
     parser.add_argument("--rollout", action="append", metavar="ENGINE:DTYPE",
                         help="only this rollout, e.g. vllm:bf16, or the engine alone (vllm) for a run whose dtype is "

@@ -16,11 +16,12 @@ import sys
 
 from mismatch_lab.cli import json_output
 from mismatch_lab.errors import UserError
+from mismatch_lab.store.reader import STORE_HELP
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--db", required=True, metavar="PATH",
-                        help="a .duckdb store, a Parquet results folder or a recorded/imported shard store")
+                        help=STORE_HELP)
     parser.add_argument("--json", metavar="FILE", help="also write every table to FILE as JSON (NaN -> null)")
     parser.add_argument("--set", action="append", default=[], metavar="METHOD.PARAM=VALUE", dest="overrides",
                         help="override a published threshold, e.g. seq_mis.cap=2 (repeatable; docs/corrections.md)")

@@ -29,8 +29,8 @@ def _metadata(fmt: str) -> dict:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("studies", nargs="*", help="study directories (studies/<name>), results/ directories "
-                        "or .duckdb files")
+    parser.add_argument("studies", nargs="*", help="study directories (studies/<name>), results/ directories, "
+                        ".duckdb files or recorded/imported run stores")
     parser.add_argument("--all", action="store_true", help="every <root>/*/ holding a results/ folder")
     parser.add_argument("--root", default="studies", help="where --all looks (default: studies)")
     parser.add_argument("--only", nargs="+", metavar="N", help="figure numbers to draw (default: all, 1-9)")

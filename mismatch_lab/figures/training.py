@@ -86,7 +86,8 @@ def fig6_training(con: duckdb.DuckDBPyConnection, rows=None) -> list[tuple[str, 
     runs = query(con, "SELECT run_id FROM runs WHERE kind = 'train' ORDER BY run_id")
     series = train_series(con, list(runs["run_id"])) if not runs.empty else pd.DataFrame()
     if series.empty:
-        raise Skip("no training run with train_metrics in this store")
+        raise Skip("no run of the reference train loop (kind 'train') with train_metrics in this store; a recorded "
+                   "or imported run's own metrics are on the app's Training page, its mismatch per step in figure 9")
     label = run_labels(con, runs["run_id"])
     names = set(series["name"])
     panels = []

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from mismatch_lab.errors import UserError
-from mismatch_lab.store.reader import open_store
+from mismatch_lab.store.reader import STORE_HELP, open_store
 from mismatch_lab.store.schema import TABLES
 
 ORDER_COLUMNS = ("run_id", "seq_id", "pos", "scorer", "step", "name", "chunk", "key")
@@ -76,8 +76,7 @@ def export(db_path: str | Path, out_dir: str | Path, *, progress=None) -> dict[s
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--db", required=True, help="the store: a .duckdb file (a running collect is fine), "
-                        "a Parquet directory or a study directory")
+    parser.add_argument("--db", required=True, help=STORE_HELP)
     parser.add_argument("--out", required=True, help="output directory, e.g. studies/<name>/results")
 
 

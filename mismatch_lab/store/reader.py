@@ -31,6 +31,9 @@ from mismatch_lab.errors import UserError
 from mismatch_lab.store.schema import DDL, TABLES
 from mismatch_lab.store.shards import RUNS_VIEW, committed_files, is_shard_store
 
+STORE_HELP = ("the store: a .duckdb file (a running collect is fine), a directory of <table>.parquet files, a "
+              "study directory or a recorded/imported run store")
+"""The --db help of every command that reads a store (what `open_store` accepts)."""
 ACCEPTED = (
     "pass a .duckdb file, a directory holding <table>.parquet files, a study directory "
     "(studies/<name>/ with a results/ folder) or a recorded/imported run store"

@@ -139,7 +139,7 @@ def test_absent_data_is_skipped_with_a_note(plain_study, capsys):
             FIGURES[num](con)
     assert main(["figures", str(plain_study), "--only", "6", "7", "9", "--format", "png"]) == 0
     printed = capsys.readouterr().out
-    assert "figure 6 skipped: no training run" in printed and "figure 7 skipped" in printed
+    assert "figure 6 skipped: no run of the reference train loop" in printed and "figure 7 skipped" in printed
     assert "figure 9 skipped: no run over training steps" in printed
     assert not (plain_study / "figures" / "fig9_mismatch_over_steps.png").exists()
     assert not (plain_study / "figures" / "fig6_training_curves.png").exists()
