@@ -226,6 +226,7 @@ def run_import(fmt: str, module, args, out=None) -> Summary:
     progress = Progress(len(disc.sources))
     try:
         with shards.run_lock(root, run_id):
+            shards.remove_stale_tmp(root, run_id, "import-")  # a killed import's staged files
             summary = _import_locked(root, run_id, fmt, module, args, disc, texts, path, progress)
     except BaseException:
         if new_store:

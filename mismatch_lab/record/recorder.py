@@ -174,6 +174,7 @@ class Recorder:
         self.closed = True  # until the lock is held: __del__ and close() then have nothing to do
         self._lock.acquire()
         self.closed = False
+        shards.remove_stale_tmp(self.root, self.run_id, f"rank-{self.rank:05d}-part-")  # a killed writer's
         shards.write_run_row(self.root, self._row, self.rank)
 
     @staticmethod

@@ -184,6 +184,19 @@ def run_steps(root: Path, run_id: str) -> list[int]:
     return sorted(int(d.name.removeprefix("step-")) for d in (root / "sequences" / run_id).glob("step-*"))
 
 
+def remove_stale_tmp(root: Path, run_id: str, prefix: str) -> int:
+    """Remove the temporary files (`_tmp`) a killed writer left in run `run_id`'s step folders whose shard
+    names start with `prefix` (e.g. 'rank-00003-part-', 'import-'); returns how many. Only a writer holding
+    the lock of those names (a Recorder of that rank, an import of the run) calls it: no live writer can
+    be staging them."""
+    n = 0
+    for table in STEP_TABLES:
+        for f in (root / table / run_id).glob(f"step-*/.{prefix}*.tmp-*"):
+            f.unlink(missing_ok=True)
+            n += 1
+    return n
+
+
 def drop_rank_step(root: Path, run_id: str, step: int, rank: int) -> int:
     """Remove rank `rank`'s committed shards of (run, step) in every step table, sequences first (the unit
     turns invisible before its parts go); returns how many files were removed. A resumed writer calls it

@@ -265,8 +265,13 @@ def test_an_import_killed_while_holding_the_lock_leaves_none(cli, tmp_path):
         holder.send_signal(signal.SIGKILL)
         holder.wait()
     assert (store / ".import-r.lock").exists()  # left behind by the killed holder ...
+    staged = shards.step_dir(store, "tokens", "r", 9)  # ... as are a killed import's staged files
+    staged.mkdir(parents=True)
+    (staged / ".import-0123456789abcdef.parquet.tmp-99-deadbeef").write_bytes(b"half")
+    (staged / ".rank-00000-part-0000.parquet.tmp-98-deadbeef").write_bytes(b"a live Recorder's")
     assert cli("import", "jsonl", b, "--out", store, "--run-name", "r")[0] == 0  # ... and no obstacle
     assert store_files(store) and not (store / ".import-r.lock").exists()
+    assert [f.name for f in staged.iterdir()] == [".rank-00000-part-0000.parquet.tmp-98-deadbeef"]
 
 
 def test_without_flock_the_import_warns_and_goes_on(cli, tmp_path, monkeypatch):

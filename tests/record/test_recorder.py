@@ -77,7 +77,7 @@ def test_per_token_advantages_and_nonfinite_values_are_null_and_flagged(tmp_path
     ids, mask, lmu, lpi, *_ = _batch(1)
     lpi[2, mask[2].nonzero()[0, 0]] = float("nan")
     lmu[3, mask[3].nonzero()[0, 0]] = float("-inf")
-    adv = torch.randn(ids.shape)
+    adv = torch.randn(ids.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)  # means exact
     rec = Recorder(tmp_path / "s", "r", framework="prime-rl")
     rec.log_step(0, ids, mask, lmu, lpi, advantages=adv)
     rec.close()
@@ -183,17 +183,19 @@ def test_a_killed_writer_loses_only_the_unit_in_flight(tmp_path):
     assert con.execute("SELECT count(*) FROM scores").fetchone()[0] == 24
     assert con.execute("SELECT step FROM train_metrics").fetchall() == [(0,)]
     assert con.execute("SELECT status FROM runs").fetchall() == [("running",)]
-    # a restarted writer logs step 1 again under the same names: the store is whole, nothing twice
+    # what the killed writer left are temporary files of step 1's unit, which no reader globs
+    leftovers = list(store.rglob(".*.tmp-*"))
+    assert leftovers and {p.parent.name for p in leftovers} == {"step-00000001"}
+    # a restarted writer of the rank removes them and logs step 1 again under the same names: the store is
+    # whole, nothing twice
     rec = Recorder(store, "k", framework="trl")
+    assert not list(store.rglob(".*.tmp-*"))
     rec.log_step(1, torch.zeros(4, 6, dtype=torch.long), torch.ones(4, 6, dtype=torch.bool), torch.zeros(4, 6),
                  torch.zeros(4, 6))
     rec.close()
     con = open_store(store)
     assert con.execute("SELECT step, count(*) FROM tokens JOIN sequences USING (run_id, seq_id) GROUP BY step "
                        "ORDER BY step").fetchall() == [(0, 24), (1, 24)]
-    # what the killed writer left are temporary files of step 1's unit, which no reader globs
-    leftovers = list(store.rglob(".*.tmp-*"))
-    assert leftovers and {p.parent.name for p in leftovers} == {"step-00000001"}
 
 
 def test_torch_tensors_come_to_the_host_exactly_in_one_copy():
