@@ -18,7 +18,8 @@ Why it is safe to write without a lock or a server:
   (`.<name>.tmp-*`, which no reader globs), fsynced, then renamed into place, `sequences` last: the
   rename of the sequences shard is the unit's commit point, and readers take a tokens/scores/metrics
   shard only when the sequences shard of the same name exists (`committed_files`). A killed writer
-  leaves at most files of the unit in flight, which no reader sees; earlier shards are never touched.
+  leaves at most files of the unit in flight, which no reader sees (the next writer holding their lock
+  removes them, `remove_stale_tmp`); earlier shards are never touched.
 * multi-rank: shard names carry the writer's name (`rank-<R>-...` for the Recorder, `import-<digest>`
   for an importer), so ranks and processes never write the same file.
 * idempotent: writing a unit whose sequences shard already exists under the same name is skipped
