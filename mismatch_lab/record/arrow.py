@@ -58,6 +58,14 @@ def describe_bad_ids(ids, bad: np.ndarray) -> str:
     return f"{first!r}" + (f" (and {len(vals) - 1} more)" if len(vals) > 1 else "")
 
 
+def check_token_ids(ids, what: str, also: str = "") -> None:
+    """ValueError "<what> must be whole numbers in [0, 2^31)<also>; got <first bad> (and n more)" when an
+    entry of `ids` is not a token id (`bad_token_ids`)."""
+    bad = bad_token_ids(ids)
+    if bad.any():
+        raise ValueError(f"{what} must be whole numbers in {INT_RANGE}{also}; got {describe_bad_ids(ids, bad)}")
+
+
 def floats(values: np.ndarray) -> tuple[pa.Array, np.ndarray]:
     """float64 Arrow array with NULL where not finite, and the [n] non-finite flags."""
     v = np.asarray(values, dtype=np.float64)

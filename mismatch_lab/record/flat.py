@@ -25,10 +25,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from mismatch_lab.record.arrow import (
-    INT_RANGE,
-    bad_token_ids,
+    check_token_ids,
     contract_table,
-    describe_bad_ids,
     floats,
     repeat,
     seq_ids,
@@ -169,10 +167,7 @@ def _token_columns(f: FlatBatch, L: _Layout, keys: dict, texts: TextLookup | Non
     tok = {**keys, "token_id": pa.nulls(n, pa.int32())}
     if f.token_ids is not None:
         token_ids = np.asarray(f.token_ids)[sel]
-        bad = bad_token_ids(token_ids)
-        if bad.any():
-            raise ValueError(f"token ids at stored positions must be whole numbers in {INT_RANGE}; got "
-                             f"{describe_bad_ids(token_ids, bad)}")
+        check_token_ids(token_ids, "token ids at stored positions")
         tok["token_id"] = pa.array(token_ids.astype(np.int32))
         if texts is not None:
             tok["token_text"], tok["category"] = texts(token_ids)
@@ -180,10 +175,7 @@ def _token_columns(f: FlatBatch, L: _Layout, keys: dict, texts: TextLookup | Non
     if f.topk_ids is not None:
         take = pa.array(sel)
         topk_ids = f.topk_ids.take(take)
-        values = pc.list_flatten(topk_ids).to_numpy(zero_copy_only=False)
-        bad = bad_token_ids(values)
-        if bad.any():
-            raise ValueError(f"rollout top-K ids must be whole numbers in {INT_RANGE}; got {describe_bad_ids(values, bad)}")
+        check_token_ids(pc.list_flatten(topk_ids).to_numpy(zero_copy_only=False), "rollout top-K ids")
         tok["topk_ids_rollout"] = topk_ids.cast(TOKEN_TYPES["topk_ids_rollout"])
         tok["topk_logps_rollout"] = _float_lists(f.topk_logps.take(take))
     adv_tok = None if f.advantage is None else np.asarray(f.advantage, dtype=np.float64)[sel]

@@ -18,10 +18,9 @@ import numpy as np
 import pyarrow as pa
 
 from mismatch_lab.record.arrow import (
-    INT_RANGE,
     MAX_RANKS,
     MAX_SEQUENCES,
-    bad_token_ids,
+    check_token_ids,
     describe_bad_ids,
     floats,
     lists,
@@ -81,17 +80,9 @@ class StepArrays:
         response = mask.astype(bool)
         if self.rollout_topk_ids is not None:
             k_ids = np.asarray(self.rollout_topk_ids)[response]
-            k_ids = k_ids[k_ids != -1]  # -1 pads ragged lists
-            bad = bad_token_ids(k_ids)
-            if bad.any():
-                raise ValueError(f"rollout_topk_ids at response positions must be whole numbers in {INT_RANGE}, or "
-                                 f"-1 for padding; got {describe_bad_ids(k_ids, bad)}")
+            check_token_ids(k_ids[k_ids != -1], "rollout_topk_ids at response positions", ", or -1 for padding")
         if self.token_ids is not None:
-            ids = np.asarray(self.token_ids)[response]
-            bad = bad_token_ids(ids)
-            if bad.any():
-                raise ValueError(f"token_ids at response positions must be whole numbers in {INT_RANGE}; got "
-                                 f"{describe_bad_ids(ids, bad)}")
+            check_token_ids(np.asarray(self.token_ids)[response], "token_ids at response positions")
 
     def first_rows(self, n: int) -> StepArrays:
         """The first n sequences (max_sequences_per_step)."""
