@@ -12,8 +12,8 @@ Categories (checked in this order, on the decoded token text with its leading sp
 | `punctuation`    | only punctuation characters (Unicode category P*, and `` ` ``, `#`, `*`, `_`, `|` ...) |
 | `word`           | everything else (words and word pieces, code identifiers, mixed text)             |
 
-An id the tokenizer does not know (at or past `len(tokenizer)`: a model's embedding rows padded beyond the
-vocabulary) has no text and no category (NULL: the analyses count it as uncategorised).
+An id the tokenizer does not know (no token for it: a model's embedding rows padded beyond the vocabulary)
+has no text and no category (NULL: the analyses count it as uncategorised).
 
 The DPPO paper (Figs. 6-7) reports that PPO clips numbers, math symbols and reasoning words; the
 categories are chosen so that claim can be tested directly.
@@ -67,14 +67,20 @@ class TokenTexts:
     def __init__(self, tokenizer):
         self.tok = tokenizer
         self.special = set(tokenizer.all_special_ids)
-        self.size = len(tokenizer)
         self.cache: dict[int, tuple[str | None, str | None]] = {}
 
     def __call__(self, tid: int) -> tuple[str | None, str | None]:
         if tid not in self.cache:
-            if not 0 <= tid < self.size:
+            if not self._known(tid):
                 self.cache[tid] = (None, None)
             else:
                 text = self.tok.decode([tid])
                 self.cache[tid] = (text, categorize(text, is_special=tid in self.special))
         return self.cache[tid]
+
+    def _known(self, tid: int) -> bool:
+        """Whether the tokenizer has a token for id `tid` (ids past its vocabulary, or in a gap of it, do not)."""
+        try:
+            return tid >= 0 and self.tok.convert_ids_to_tokens(int(tid)) is not None
+        except (IndexError, KeyError, ValueError, OverflowError):
+            return False

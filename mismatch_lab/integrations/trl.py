@@ -107,24 +107,29 @@ def attach(trainer, path: str | Path, **recorder_kwargs) -> Recorder:
         raise UserError(f"every must be at least 1, got {every}")
     config["every_generated_batches"] = every
     run_name = kwargs.pop("run_name", None) or _default_run_name(trainer.args)
-    _check_same_experiment(Path(path).expanduser(), run_name, config["trl"])
+    _check_same_experiment(Path(path).expanduser(), run_name, config["trl"], every)
     recorder = Recorder(path, run_name, config=config, **kwargs)
     _Hook(trainer, recorder, every).install()
     return recorder
 
 
-def _check_same_experiment(root: Path, run_name: str, trl_options: dict) -> None:
-    """A run the store already holds under this name continues only with the same TRL options (a resumed
-    job); another experiment under the default name (e.g. output_dir 'trainer_output') would merge into it."""
+def _check_same_experiment(root: Path, run_name: str, trl_options: dict, every: int) -> None:
+    """A run the store already holds under this name continues only with the same TRL options and attach's
+    `every` (a resumed job); another experiment under the default name (e.g. output_dir 'trainer_output')
+    would merge into it."""
     from mismatch_lab.store import shards
 
     old = shards.existing_run(root, run_name) if root.is_dir() else None
-    theirs = None if old is None else json.loads(old.get("config") or "{}").get("trl")
-    if theirs is None or theirs == trl_options:
+    cfg = {} if old is None else json.loads(old.get("config") or "{}")
+    if cfg.get("trl") is None:
         return
-    diff = [f"{k} {theirs.get(k)!r} (now {trl_options.get(k)!r})" for k in sorted(set(theirs) | set(trl_options))
-            if theirs.get(k) != trl_options.get(k)]
-    raise UserError(f"run {run_name!r} is already in {root} with other TRL options: {', '.join(diff)}; pass "
+    theirs = {**cfg["trl"], "every": cfg.get("every_generated_batches")}
+    ours = {**trl_options, "every": every}
+    diff = [f"{k} {theirs.get(k)!r} (now {ours.get(k)!r})" for k in sorted(set(theirs) | set(ours))
+            if theirs.get(k) != ours.get(k)]
+    if not diff:
+        return
+    raise UserError(f"run {run_name!r} is already in {root} with other TRL (or attach) options: {', '.join(diff)}; pass "
                     "attach(..., run_name=...) (or GRPOConfig(run_name=...)) for a new experiment")
 
 

@@ -6,7 +6,7 @@ distributed job makes its own Recorder with the same `run_name`; the rank (from 
 its files, so ranks never share one, and an open Recorder holds a lock on its (run, rank): a second live
 one is refused. Several calls for one step (micro-batches) add to the step. A resumed job's first call
 for a step it logged before replaces that rank's earlier files of the step, once the new ones are staged
-(the old ones go in the instant before the new ones are renamed into place): nothing is counted twice,
+and synced (the old ones go just before the new ones are renamed into place): nothing is counted twice,
 and a step never holds old and new rows side by side.
 
 Cost control for long runs: `every=N` records steps divisible by N; `max_sequences_per_step=M` keeps the
@@ -74,13 +74,15 @@ def whole(value, what: str, low: int = 0, end: int | None = None, rng: str | Non
     except (TypeError, ValueError, OverflowError):
         ok = False
     if not ok:
-        rng = rng or (f"[{low}, {end})" if end is not None else f"≥ {low}")
-        raise UserError(f"{what} must be a whole number in {rng}, got {value!r}")
+        rng = f"in {rng or f'[{low}, {end})'}" if end is not None else f"≥ {low}"
+        raise UserError(f"{what} must be a whole number {rng}, got {value!r}")
     return i
 
 
 def metric_values(metrics: dict) -> dict[str, float]:
     """`metrics` as name -> float (None: missing, stored NULL); UserError naming a name or value that is not."""
+    if not isinstance(metrics, dict):
+        raise UserError(f"metrics must be a dict of name -> number, got {type(metrics).__name__}")
     out = {}
     for name, value in metrics.items():
         if not isinstance(name, str) or not name:
@@ -153,7 +155,7 @@ class Recorder:
         self.tokens_written = 0
         self._row = {
             "run_id": self.run_id, "study": self.root.name, "kind": kind, "created_at": shards.now_utc(),
-            "status": "running", "model": model, "weights_sha256": None, "engine": rollout_engine,
+            "status": "running", "model": None if model is None else str(model), "weights_sha256": None, "engine": rollout_engine,
             "engine_dtype": rollout_dtype, "device": None, "versions": package_versions(RECORD_PACKAGES),
             "config": {"framework": framework, "trainer_dtype": trainer_dtype, "scorer": self.scorer,
                        "every": self.every, "max_sequences_per_step": self.max_seqs,
@@ -170,12 +172,17 @@ class Recorder:
         self._lock = shards.RunLock(
             self.root, self.run_id, f"record-rank-{self.rank:05d}", label=f"Recorder of rank {self.rank}",
             why="give each process its own rank= (or $RANK), or close() the other Recorder first: two writers of "
-                "one rank replace each other's steps")  # fmt: skip
+                "one rank replace each other's steps",
+            own="close() it first (a notebook cell run again: close the Recorder the earlier run returned)")  # fmt: skip
         self.closed = True  # until the lock is held: __del__ and close() then have nothing to do
         self._lock.acquire()
+        try:
+            shards.remove_stale_tmp(self.root, self.run_id, f"rank-{self.rank:05d}")  # a killed writer's
+            shards.write_run_row(self.root, self._row, self.rank)
+        except BaseException:
+            self._lock.release()
+            raise
         self.closed = False
-        shards.remove_stale_tmp(self.root, self.run_id, f"rank-{self.rank:05d}-part-")  # a killed writer's
-        shards.write_run_row(self.root, self._row, self.rank)
 
     @staticmethod
     def _rank(rank) -> int:
@@ -227,6 +234,8 @@ class Recorder:
             raise UserError(f"log_step({step}): {exc}") from exc
         if self.max_seqs is not None:  # the first M sequences of the step, over this process's calls
             a = a.first_rows(max(self.max_seqs - self._next_index[step], 0))
+            if a.mask.shape[0] == 0 and not values:  # past the cap: nothing to store
+                return 0
         B = a.mask.shape[0]
         ids = seq_ids(step, self.rank, self._next_index[step], B)
         tables = step_tables(self.run_id, step, ids, a, self.scorer, texts=self._texts)
@@ -237,8 +246,9 @@ class Recorder:
                 tx.add(table, self.run_id, step, name, data)
             if values:
                 tx.add("train_metrics", self.run_id, step, name, metric_table(self.run_id, step, values))
-            if part == 0:  # this process's first call for the step: a resumed job replaces what it logged before
-                shards.drop_rank_step(self.root, self.run_id, step, self.rank)
+            if part == 0:  # this process's first call for the step: a resumed job replaces what it logged before,
+                # once the new files are written and synced (a failure before keeps the old ones)
+                tx.before_rename(lambda: shards.drop_rank_step(self.root, self.run_id, step, self.rank))
         self._parts[step] += 1
         self._next_index[step] += B
         n = tables["tokens"].num_rows

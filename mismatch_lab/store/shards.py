@@ -41,6 +41,7 @@ import re
 import socket
 import sys
 import uuid
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime, timezone
@@ -186,13 +187,14 @@ def run_steps(root: Path, run_id: str) -> list[int]:
 
 
 def remove_stale_tmp(root: Path, run_id: str, prefix: str) -> int:
-    """Remove the temporary files (`_tmp`) a killed writer left in run `run_id`'s step folders whose shard
-    names start with `prefix` (e.g. 'rank-00003-part-', 'import-'); returns how many. Only a writer holding
-    the lock of those names (a Recorder of that rank, an import of the run) calls it: no live writer can
-    be staging them."""
+    """Remove the temporary files (`_tmp`) a killed writer left in run `run_id`'s step folders and runs
+    folder whose names start with `prefix` (e.g. 'rank-00003': the rank's shards and runs row; 'import-');
+    returns how many. Only a writer holding the lock of those names (a Recorder of that rank, an import of
+    the run) calls it: no live writer can be staging them."""
     n = 0
-    for table in STEP_TABLES:
-        for f in (root / table / run_id).glob(f"step-*/.{prefix}*.tmp-*"):
+    folders = [(root / table / run_id, "step-*/") for table in STEP_TABLES] + [(root / "runs" / run_id, "")]
+    for folder, steps in folders:
+        for f in folder.glob(f"{steps}.{prefix}*.tmp-*"):
             f.unlink(missing_ok=True)
             n += 1
     return n
@@ -265,50 +267,102 @@ def write_run_row(root: Path, row: dict, rank: int) -> None:
     write_parquet_atomic(table, run_row_path(root, run_id, rank))
 
 
+_HELD: weakref.WeakSet = weakref.WeakSet()
+"""The RunLocks this process holds: a forked child drops its inherited copies (`_forget_in_child`)."""
+
+
+def _forget_in_child() -> None:
+    """After fork(): the child closes its inherited lock fds without unlinking anything. The lock stays the
+    parent's (flock belongs to the open file, which the parent still holds) and dies with the parent
+    even when the child lives on (a DataLoader worker, a helper process)."""
+    for lock in list(_HELD):
+        lock.forget()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
+
+
 class RunLock:
     """The exclusive `what` lock of run `run_id` in store `root` (module docstring): an advisory flock on
     `root/.<what>-<run_id>.lock`, so a killed holder leaves no stale lock. The file names its holder for
     the error a second process gets (`UserError`: "another <label> into run ... is running (holder); <why>";
-    label defaults to what), and is removed on release. Where the file system has no flock, `acquire` warns
-    and holds nothing."""
+    label defaults to what; `own`: the advice when this process holds it), and is removed on release by the process that took it. A lock this process
+    holds through an object it no longer references (a cycle the garbage collector has not reached yet)
+    is freed by one collection before refusing. Where the file system has no flock, `acquire` warns and
+    holds nothing."""
 
-    def __init__(self, root: Path, run_id: str, what: str, why: str, label: str | None = None):
-        self.path, self.run_id, self.why = root / f".{what}-{check_name(run_id)}.lock", run_id, why
+    def __init__(self, root: Path, run_id: str, what: str, why: str, label: str | None = None,
+                 own: str = "wait for it to end"):
+        self.path, self.run_id, self.why, self.own = root / f".{what}-{check_name(run_id)}.lock", run_id, why, own
         self.what = label or what
         self._fd: int | None = None
 
     def acquire(self) -> None:
+        collected = False
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = os.read(fd, 512).decode(errors="replace").strip() or "a process"
-                os.close(fd)
-                raise UserError(f"another {self.what} into run {self.run_id!r} of {self.path.parent} is running "
-                                f"({holder}); {self.why}") from None
-            except OSError as exc:  # a file system without flock (some network mounts): go on, unguarded
-                os.close(fd)
-                print(f"warning: cannot lock {self.path} ({exc.strerror}); going on without the lock: do not run "
-                      f"another {self.what} into run {self.run_id!r} until this one ends", file=sys.stderr)
-                self.path.unlink(missing_ok=True)
-                return
-            try:
-                same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
-            except FileNotFoundError:  # the last holder removed the file between our open and our lock
-                same = False
-            if same:
-                break
+                if self._try():
+                    return
+            except BlockingIOError as busy:
+                mine = any(lock.path == self.path for lock in _HELD)
+                if mine and not collected:
+                    import gc
+
+                    gc.collect()  # an unreachable Recorder of this process may hold it: its __del__ frees it
+                    collected = True
+                    continue
+                raise UserError(self._busy(str(busy), mine)) from None
+
+    def _busy(self, holder: str, mine: bool) -> str:
+        if mine:
+            return f"another {self.what} of this process still holds run {self.run_id!r} of {self.path.parent}; {self.own}"
+        return f"another {self.what} into run {self.run_id!r} of {self.path.parent} is running ({holder}); {self.why}"
+
+    def _try(self) -> bool:
+        """One attempt: True when locked (or unguarded), False to retry (the file was replaced meanwhile);
+        BlockingIOError (its text the holder) while another open file holds the lock."""
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+        except OSError as exc:
+            raise UserError(f"cannot create the lock file {self.path} ({exc.strerror}); the store must be "
+                            "writable to write into it") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 512).decode(errors="replace").strip() or "a process"
             os.close(fd)
+            raise BlockingIOError(holder) from None
+        except OSError as exc:  # a file system without flock (some network mounts): go on, unguarded
+            os.close(fd)
+            print(f"warning: cannot lock {self.path} ({exc.strerror}); going on without the lock: do not run "
+                  f"another {self.what} into run {self.run_id!r} until this one ends", file=sys.stderr)
+            self.path.unlink(missing_ok=True)
+            return True
+        try:
+            same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:  # the last holder removed the file between our open and our lock
+            same = False
+        if not same:
+            os.close(fd)
+            return False
         os.ftruncate(fd, 0)
         os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {now_utc():%Y-%m-%d %H:%M:%S} UTC".encode())
         self._fd = fd
+        _HELD.add(self)
+        return True
 
     def release(self) -> None:
         if self._fd is not None:
             self.path.unlink(missing_ok=True)  # while still locked: a process that opened this file retries
+            self.forget()
+
+    def forget(self) -> None:
+        """Close this process's fd of the lock, unlinking nothing (a forked child's copy, `release`)."""
+        if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+        _HELD.discard(self)
 
 
 @contextmanager
@@ -329,6 +383,12 @@ class Transaction:
     def __init__(self, root: Path):
         self.root = root
         self._staged: list[tuple[str, Path, Path]] = []  # (table, tmp, final)
+        self._before_rename: list = []
+
+    def before_rename(self, fn) -> None:
+        """Call `fn()` in `commit()` once every staged file is written and synced, just before the renames
+        (e.g. removing the files the unit replaces: whatever fails before it keeps them)."""
+        self._before_rename.append(fn)
 
     def committed(self, run_id: str, step: int, name: str) -> bool:
         """True when this unit was committed before (its sequences shard exists)."""
@@ -351,8 +411,14 @@ class Transaction:
         and removes the rest: the transaction is wholly committed or not at all. (A
         process killed outright between two renames cannot undo: the units whose sequences shard was
         already renamed stay, the others stay invisible, `committed_files`.)"""
-        for _table, tmp, _final in self._staged:
-            _fsync(tmp)
+        try:
+            for _table, tmp, _final in self._staged:
+                _fsync(tmp)
+            for fn in self._before_rename:
+                fn()
+        except BaseException:
+            self.abort()
+            raise
         order = {t: i for i, t in enumerate(COMMIT_ORDER)}
         done: list[tuple[str, Path]] = []
         try:

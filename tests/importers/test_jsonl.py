@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import signal
 import subprocess
 import sys
@@ -240,7 +239,8 @@ def test_a_second_import_into_a_run_being_imported_stops_and_commits_nothing(cli
     b = write_jsonl(tmp_path / "b.jsonl", jsonl_lines(4, n=4))
     with shards.run_lock(store, "r"):  # what a running import of run r holds
         code, _, err = cli("import", "jsonl", b, "--out", store, "--run-name", "r")
-        assert code == 2 and "another import into run 'r'" in err and f"pid {os.getpid()}" in err, err
+        # held in this process here, so named as such (another process's: the killed-holder test below)
+        assert code == 2 and "another import of this process still holds run 'r'" in err, err
         assert store_files(store) == sorted([*before, ".import-r.lock"])
         assert cli("import", "jsonl", b, "--out", store, "--run-name", "other")[0] == 0
     assert ".import-r.lock" not in store_files(store)

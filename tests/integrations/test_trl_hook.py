@@ -124,5 +124,7 @@ def test_a_run_resumed_from_a_checkpoint_replaces_the_steps_recorded_after_it(tm
 
 def test_another_experiment_under_the_same_run_name_is_refused(tmp_path):
     attach(StandIn(), tmp_path / "s").close()
-    with pytest.raises(UserError, match=r"other TRL options: num_iterations 1 \(now 2\).*run_name="):
+    with pytest.raises(UserError, match=r"other TRL \(or attach\) options: num_iterations 1 \(now 2\).*run_name="):
         attach(StandIn(num_iterations=2), tmp_path / "s")
+    with pytest.raises(UserError, match=r"options: every 1 \(now 3\)"):  # attach's own sampling, too
+        attach(StandIn(), tmp_path / "s", every=3)

@@ -4,6 +4,12 @@ for bad steps, ranks, metrics and tokenizers (nothing written before them)."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
 import numpy as np
 import pytest
 import torch
@@ -40,8 +46,8 @@ def test_a_second_live_writer_of_one_rank_is_refused_other_ranks_and_closed_ones
     store = tmp_path / "s"
     first = Recorder(store, "r", framework="trl")
     first.log_step(0, *_batch())
-    with pytest.raises(UserError, match=r"another Recorder of rank 0 into run 'r' .* is running \(pid \d+"):
-        Recorder(store, "r", framework="trl")
+    with pytest.raises(UserError, match=r"another Recorder of rank 0 of this process still holds run 'r'"):
+        Recorder(store, "r", framework="trl")  # (another process's: the fork test below)
     with Recorder(store, "r", framework="trl", rank=1) as other:
         other.log_step(0, *_batch(seed=1))
     first.close()
@@ -58,7 +64,9 @@ def test_max_sequences_per_step_caps_the_step_over_its_calls(tmp_path):
         assert rec.log_step(1, ids, mask, lmu, lpi) == 18
     con = open_store(tmp_path / "s")
     assert con.execute("SELECT step, count(*) FROM sequences GROUP BY step ORDER BY step").fetchall() == [(0, 5), (1, 3)]
-    with pytest.raises(UserError, match=r"max_sequences_per_step \(or None\) must be a whole number in ≥ 1, got 2.5"):
+    assert sorted(f.name for f in (tmp_path / "s" / "sequences" / "r" / "step-00000000").iterdir()) == \
+        ["rank-00000-part-0000.parquet", "rank-00000-part-0001.parquet"]  # the capped call wrote no file
+    with pytest.raises(UserError, match=r"max_sequences_per_step \(or None\) must be a whole number ≥ 1, got 2.5"):
         Recorder(tmp_path / "s", "q", framework="trl", max_sequences_per_step=2.5)
 
 
@@ -90,6 +98,11 @@ def test_a_failed_relog_of_a_step_keeps_the_rows_it_would_have_replaced(tmp_path
 
     monkeypatch.setattr(shards.Transaction, "add", failing_add)
     with pytest.raises(OSError):
+        resumed.log_step(7, *_batch(seed=1))
+    assert _count(store) == 24 and _count(store, "SELECT count(*) FROM train_metrics") == 1
+    monkeypatch.undo()
+    monkeypatch.setattr(shards, "_fsync", lambda path: (_ for _ in ()).throw(OSError(5, "Input/output error")))
+    with pytest.raises(OSError):  # the new files cannot be synced (NFS, quota): the old ones stay
         resumed.log_step(7, *_batch(seed=1))
     assert _count(store) == 24 and _count(store, "SELECT count(*) FROM train_metrics") == 1
     monkeypatch.undo()
@@ -144,3 +157,65 @@ def test_an_id_past_the_tokenizers_vocabulary_has_no_text_and_no_category(tmp_pa
         rec.log_step(0, ids, torch.ones(1, 3, dtype=torch.bool), torch.zeros(1, 3), torch.zeros(1, 3))
     got = open_store(tmp_path / "s").execute("SELECT token_text, category FROM tokens ORDER BY pos").fetchall()
     assert got == [(tok.decode([known]), "connective"), (None, None), (None, None)]
+
+
+def test_a_recorder_this_process_dropped_frees_its_rank_and_a_live_one_is_named(tmp_path):
+    store = tmp_path / "s"
+    rec = Recorder(store, "r", framework="trl")
+    rec.cycle = rec  # as a trainer hook holds it: freed only by the garbage collector
+    del rec
+    again = Recorder(store, "r", framework="trl")  # a notebook cell run again
+    with pytest.raises(UserError, match=r"another Recorder of rank 0 of this process still holds run 'r' .* close\(\) it"):
+        Recorder(store, "r", framework="trl")
+    again.close()
+
+
+def test_a_recorder_that_fails_to_start_holds_no_lock(tmp_path, monkeypatch):
+    def full(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(shards, "write_run_row", full)
+    with pytest.raises(OSError):
+        Recorder(tmp_path / "s", "r", framework="trl")
+    monkeypatch.undo()
+    Recorder(tmp_path / "s", "r", framework="trl").close()
+
+
+_FORK = textwrap.dedent("""
+    import gc, os, subprocess, sys, time
+    from mismatch_lab.record import Recorder
+    store, mode = sys.argv[1], sys.argv[2]
+    rec = Recorder(store, "r", framework="trl")
+    child = os.fork()
+    if child == 0:  # a worker the trainer forked, e.g. a DataLoader's
+        if mode == "exit":
+            del rec
+            gc.collect()
+            os._exit(0)
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, 1), os.dup2(null, 2)  # let the test read the parent's output to its end
+        time.sleep(30)
+        os._exit(0)
+    probe = [sys.executable, "-c", "import sys; from mismatch_lab.record import Recorder; "
+             "Recorder(sys.argv[1], 'r', framework='trl').close()", store]
+    if mode == "exit":
+        os.waitpid(child, 0)
+        out = subprocess.run(probe, check=False, capture_output=True, text=True)
+        refused = f"another Recorder of rank 0 into run 'r' of {store} is running (pid {os.getpid()}"
+        print("refused" if refused in out.stderr else "NOT refused: " + out.stderr[-300:])
+    else:
+        print(child, flush=True)
+        os._exit(0)  # the trainer dies without close(); its worker lives on
+""")
+
+
+def test_a_forked_child_neither_frees_nor_keeps_its_parents_lock(tmp_path):
+    store = str(tmp_path / "s")
+    out = subprocess.run([sys.executable, "-c", _FORK, store, "exit"], check=False, capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "refused", out.stdout + out.stderr  # the child's exit left the parent's lock
+    out = subprocess.run([sys.executable, "-c", _FORK, store, "outlive"], check=True, capture_output=True, text=True, timeout=120)
+    worker = int(out.stdout.strip())
+    try:
+        Recorder(store, "r", framework="trl").close()  # the dead trainer's worker does not hold its rank
+    finally:
+        os.kill(worker, signal.SIGKILL)
