@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from mismatch_lab.errors import UserError
@@ -70,18 +72,33 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (`timeout`, `scancel`, `docker stop`, `kill`), handled as Ctrl-C is: work in flight is undone."""
+
+
+def _terminate(signum, frame) -> None:
+    raise Terminated
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    in_main = threading.current_thread() is threading.main_thread()
+    if in_main and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # a host's own handler stays
+        signal.signal(signal.SIGTERM, _terminate)
     try:
         return int(args._run(args) or 0)
     except UserError as exc:
         print(f"mismatch-lab {args.command}: error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"\nmismatch-lab {args.command}: interrupted; committed work is kept, re-run the same command to resume",
+    except KeyboardInterrupt as exc:
+        what = "terminated (SIGTERM)" if isinstance(exc, Terminated) else "interrupted"
+        print(f"\nmismatch-lab {args.command}: {what}; committed work is kept, re-run the same command to resume",
               file=sys.stderr)
-        return 130
+        return 143 if isinstance(exc, Terminated) else 130
+    finally:
+        if in_main and signal.getsignal(signal.SIGTERM) is _terminate:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 if __name__ == "__main__":

@@ -58,6 +58,8 @@ class Source:
     rank: int | None = None
     n_lines: int | None = None  # set by the driver (newline count) before `read`
     found: frozenset[bytes] = frozenset()  # which of the format's PROBES occur in the file (set by the driver)
+    listed: bool = False  # found by listing a folder (not named by the user): a file of another kind may be skipped
+    skipped: str | None = None  # set by `read` when it skipped the file (why): a note in the summary
 
 
 @dataclass
@@ -283,11 +285,17 @@ def _import_locked(root: Path, run_id: str, fmt: str, module, args, disc: Discov
                     stager.add(batch.step, tables, st.tokens)
                 progress.update(i - 1, summary.stats.tokens)
             stager.finish()
+            if src.skipped:
+                summary.notes.append(f"{src.path.name} skipped: {src.skipped}")
+                continue
             summary.files_read += 1
             progress.update(i, summary.stats.tokens)
         if summary.shards:
-            shards.write_run_row(root, row, 0)  # before the commit: committed data always has its run row
+            # before the commit, as running: committed data always has its run row, and a kill before the
+            # renames leaves no run that claims to be complete
+            shards.write_run_row(root, {**row, "status": "running"}, 0)
             stager.tx.commit()
+            shards.write_run_row(root, row, 0)
     except BaseException:
         stager.tx.abort()
         _remove_empty(stager.dirs, root)
@@ -347,8 +355,11 @@ def _remove_empty(dirs: set[Path], root: Path) -> None:
 
 
 def _remove_new_store(root: Path) -> None:
-    """Remove a store this failed import created, when it holds nothing but its marker."""
+    """Remove a store this failed import created, when it holds nothing but its marker and empty folders."""
     try:
+        for folder, _, _ in sorted(os.walk(root), key=lambda w: -len(w[0])):  # deepest first
+            if Path(folder) != root and not any(Path(folder).iterdir()):
+                os.rmdir(folder)
         if [p.name for p in root.iterdir()] == [shards.MARKER]:
             (root / shards.MARKER).unlink()
             root.rmdir()

@@ -67,7 +67,8 @@ def discover(path: Path, args) -> Discovery:
         folder = path / "train_data" if (path / "train_data").is_dir() else path
         files = sorted(p for p in folder.iterdir() if p.is_file() and p.suffix == ".pt")
     run_name = folder.parent.name if folder.name == "train_data" else folder.name
-    return Discovery(sources=[Source(p) for p in sorted(files, key=_natural)], run_name=run_name)
+    return Discovery(sources=[Source(p, listed=not path.is_file()) for p in sorted(files, key=_natural)],
+                     run_name=run_name)
 
 
 def _natural(p: Path):
@@ -128,8 +129,13 @@ def read(src: Source, args):
         raise UserError(f"{path}: cannot be loaded with torch.load ({type(exc).__name__}: {exc})") from exc
     if not isinstance(payload, dict) or payload.get("format_version") != FORMAT_VERSION:
         found = payload.get("format_version") if isinstance(payload, dict) else type(payload).__name__
+        rollout_dump = isinstance(payload, dict) and "samples" in payload and "format_version" not in payload
+        foreign = not isinstance(payload, dict) or not ({"format_version", "rollout_data"} & payload.keys())
+        if src.listed and foreign:  # a folder may hold rollout dumps or checkpoints beside the train dumps
+            src.skipped = "a rollout dump (--save-debug-rollout-data)" if rollout_dump else "not a slime train dump"
+            return
         hint = ""
-        if isinstance(payload, dict) and "samples" in payload and "format_version" not in payload:
+        if rollout_dump:
             hint = " (this looks like a rollout dump, --save-debug-rollout-data; pass the train_data dumps)"
         elif isinstance(payload, dict) and "rollout_data" in payload:
             hint = " (an older per-rank train dump; this importer reads slime's format_version 2)"
@@ -162,7 +168,9 @@ def _batch(path: Path, samples, step: int, rank: int, raw_reward) -> FlatBatch:
             raise UserError(f"{where} is not a dict")
         for key in ("tokens", "response_lengths", "loss_masks", "rollout_log_probs", "log_probs"):
             if s.get(key) is None:
-                extra = " (the trainer's log-probs; a run with --use-rollout-logprobs has none)" if key == "log_probs" else ""
+                extra = (" (the trainer's log-probs: slime dumps them when it computed or captured them in the "
+                         "training forward; some versions skip that pass, e.g. for a single optimizer step without "
+                         "KL)") if key == "log_probs" else ""
                 raise UserError(f"{where}: field {key!r} is missing{extra}")
         R = _whole(s["response_lengths"], where, "response_lengths")
         tokens = _ids(s["tokens"], where, "tokens").reshape(-1)

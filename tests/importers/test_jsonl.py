@@ -287,3 +287,35 @@ def test_without_flock_the_import_warns_and_goes_on(cli, tmp_path, monkeypatch):
     code, _, err = cli("import", "jsonl", write_jsonl(tmp_path / "a.jsonl", jsonl_lines(3, n=4)), "--out", store)
     assert code == 0 and "going on without the lock" in err and "No locks available" in err, err
     assert store_files(store) and not [f for f in store_files(store) if f.endswith(".lock")]
+
+
+_SIGNAL_AT_RENAME = """
+import os, signal, sys
+from mismatch_lab.store import shards
+sig, real, renamed = int(sys.argv[1]), os.replace, []
+def replace(src, dst):
+    if "/tokens/" in str(dst) or "/sequences/" in str(dst):
+        renamed.append(dst)
+        if len(renamed) == 2:  # between the commit's renames
+            os.kill(os.getpid(), sig)
+    real(src, dst)
+os.replace = replace
+from mismatch_lab.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_a_terminated_or_killed_import_leaves_no_run_claiming_to_be_complete(tmp_path, sig):
+    store = tmp_path / "store"
+    f = write_jsonl(tmp_path / "a.jsonl", jsonl_lines(3, n=4))
+    out = subprocess.run([sys.executable, "-c", _SIGNAL_AT_RENAME, str(int(sig)), "import", "jsonl", str(f), "--out",
+                          str(store)], check=False, capture_output=True, text=True, timeout=120)
+    if sig == signal.SIGTERM:  # handled as Ctrl-C: undone, and the store this import created removed
+        assert out.returncode == 143 and "terminated (SIGTERM)" in out.stderr, out.stderr
+        assert not store.exists()
+    else:  # no handler runs: the run row written before the renames says it did not finish
+        assert out.returncode == -signal.SIGKILL
+        from mismatch_lab.store.reader import open_store
+
+        assert open_store(store).execute("SELECT run_id, status FROM runs").fetchall() == [("a", "running")]

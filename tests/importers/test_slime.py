@@ -146,3 +146,20 @@ def test_mistyped_fields_are_one_line_errors(cli, tmp_path, edit, needle):
     code, _, err = cli("import", "slime", tmp_path / "3.pt", "--out", tmp_path / "store", "--trust-pickle")
     assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
     assert store_files(tmp_path / "store") == []
+
+
+def test_a_folder_skips_files_that_are_no_train_dump_and_names_them(cli, tmp_path):
+    d = tmp_path / "d"
+    d.mkdir()
+    torch.save(slime_payload(3, seed=4), d / "train_3.pt")
+    torch.save({"rollout_id": 3, "samples": [{"tokens": [1, 2]}]}, d / "rollout_3.pt")  # beside it, same folder
+    torch.save({"model": {"w": torch.zeros(2)}}, d / "ckpt.pt")
+    code, out, err = cli("import", "slime", d, "--out", tmp_path / "store", "--trust-pickle")
+    assert code == 0, err
+    assert "1 read" in out and "rollout_3.pt skipped: a rollout dump" in out and "ckpt.pt skipped: not a slime" in out
+    assert counts(tmp_path / "store")["sequences"] == len(slime_payload(3, seed=4)["samples"])
+    p = slime_payload(4, seed=4)
+    p["format_version"] = 3  # a train dump of another version is never skipped silently
+    torch.save(p, d / "train_4.pt")
+    code, _, err = cli("import", "slime", d, "--out", tmp_path / "other", "--trust-pickle")
+    assert code == 2 and "train_4.pt: not a slime train-data dump of format_version 2 (format_version 3)" in err
