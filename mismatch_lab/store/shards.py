@@ -68,7 +68,9 @@ RUNS_VIEW = """
            count(*) AS n_ranks, max(updated_at) AS updated_at
     FROM {source} GROUP BY run_id"""
 """One row per run from its per-rank rows: descriptive columns from the lowest rank; the run is
-'complete' when every rank that started it closed it, 'failed' when one failed, else 'running'."""
+'complete' when every rank that started it closed it, 'failed' when one failed, else 'running';
+`n_ranks` counts the writers that wrote a runs row (Recorder ranks; an import writes one row, whatever
+ranks its files name)."""
 
 
 def check_name(name: str, what: str = "run name") -> str:
