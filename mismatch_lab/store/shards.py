@@ -177,7 +177,9 @@ def run_differences(old: dict, new: dict) -> list[str]:
     def values(row: dict) -> dict:
         cfg = row.get("config") or {}
         cfg = json.loads(cfg) if isinstance(cfg, str) else cfg
-        return {k: row.get(k) if k in row else cfg.get(k) for k in SAME_RUN_KEYS}
+        out = {k: row.get(k) if k in row else cfg.get(k) for k in SAME_RUN_KEYS}
+        # a Recorder before its input checks stored a numpy count as its string ("8"): the same number
+        return {k: int(v) if isinstance(v, str) and v.isdigit() else v for k, v in out.items()}
 
     theirs, ours = values(old), values(new)
     return [f"{k} {theirs[k]!r} (now {ours[k]!r})" for k in SAME_RUN_KEYS if theirs[k] != ours[k]]

@@ -219,3 +219,12 @@ def test_a_forked_child_neither_frees_nor_keeps_its_parents_lock(tmp_path):
         Recorder(store, "r", framework="trl").close()  # the dead trainer's worker does not hold its rank
     finally:
         os.kill(worker, signal.SIGKILL)
+
+
+def test_a_run_whose_config_holds_its_cap_as_a_string_continues(tmp_path):
+    """Recorders before the input checks wrote a numpy cap through json's default=str: "8"."""
+    with Recorder(tmp_path / "s", "r", framework="trl", max_sequences_per_step=8) as rec:
+        rec._row["config"]["max_sequences_per_step"] = "8"  # as such a Recorder wrote it
+        rec.log_step(0, *_batch())
+    with Recorder(tmp_path / "s", "r", framework="trl", max_sequences_per_step=np.int64(8)) as rec:
+        assert rec.log_step(1, *_batch()) == 24
