@@ -295,7 +295,6 @@ def _import_locked(root: Path, run_id: str, fmt: str, module, args, disc: Discov
             # renames leaves no run that claims to be complete
             shards.write_run_row(root, {**row, "status": "running"}, 0)
             stager.tx.commit()
-            shards.write_run_row(root, row, 0)
     except BaseException:
         stager.tx.abort()
         _remove_empty(stager.dirs, root)
@@ -305,6 +304,10 @@ def _import_locked(root: Path, run_id: str, fmt: str, module, args, disc: Discov
             if row_path.parent.is_dir() and not any(row_path.parent.iterdir()):
                 os.rmdir(row_path.parent)
         raise
+    # Committed: nothing is undone from here (a failure leaves the row at running, as a kill would). A run
+    # left running by an import killed after its renames is complete once nothing is left to add.
+    if summary.shards or (old is not None and old.get("status") == "running"):
+        shards.write_run_row(root, row, 0)
     return summary
 
 

@@ -319,3 +319,22 @@ def test_a_terminated_or_killed_import_leaves_no_run_claiming_to_be_complete(tmp
         from mismatch_lab.store.reader import open_store
 
         assert open_store(store).execute("SELECT run_id, status FROM runs").fetchall() == [("a", "running")]
+
+
+def test_an_import_killed_after_its_renames_is_marked_complete_by_the_next(cli, tmp_path):
+    from mismatch_lab.store.reader import open_store
+
+    store = tmp_path / "store"
+    f = write_jsonl(tmp_path / "a.jsonl", jsonl_lines(3, n=4))
+    dies = ("import os, signal, sys\nfrom mismatch_lab.store import shards\nreal, rows = shards.write_run_row, []\n"
+            "def write(root, row, rank):\n    rows.append(row['status'])\n"
+            "    if len(rows) == 2: os.kill(os.getpid(), signal.SIGKILL)  # after the renames\n"
+            "    real(root, row, rank)\nshards.write_run_row = write\n"
+            "from mismatch_lab.cli import main\nsys.exit(main(sys.argv[1:]))")
+    out = subprocess.run([sys.executable, "-c", dies, "import", "jsonl", str(f), "--out", str(store)], check=False,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == -signal.SIGKILL, out.stderr
+    assert open_store(store).execute("SELECT status FROM runs").fetchall() == [("running",)]
+    code, out, _ = cli("import", "jsonl", f, "--out", store)  # everything is in: nothing to add
+    assert code == 0 and "0 read, 1 skipped" in out
+    assert open_store(store).execute("SELECT status FROM runs").fetchall() == [("complete",)]
