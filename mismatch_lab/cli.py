@@ -76,13 +76,18 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM (`timeout`, `scancel`, `docker stop`, `kill`), handled as Ctrl-C is: work in flight is undone."""
 
 
+_TERMINATED: list[bool] = []  # set once SIGTERM arrived: DuckDB turns the exception into 'Query interrupted'
+
+
 def _terminate(signum, frame) -> None:
+    _TERMINATED.append(True)
     raise Terminated
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    _TERMINATED.clear()
     in_main = threading.current_thread() is threading.main_thread()
     if in_main and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # a host's own handler stays
         signal.signal(signal.SIGTERM, _terminate)
@@ -91,11 +96,14 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         print(f"mismatch-lab {args.command}: error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt as exc:
-        what = "terminated (SIGTERM)" if isinstance(exc, Terminated) else "interrupted"
+    except (KeyboardInterrupt, Exception) as exc:
+        terminated = isinstance(exc, Terminated) or bool(_TERMINATED)  # (an interrupted DuckDB query re-raises)
+        if not terminated and not isinstance(exc, KeyboardInterrupt):
+            raise
+        what = "terminated (SIGTERM)" if terminated else "interrupted"
         print(f"\nmismatch-lab {args.command}: {what}; committed work is kept, re-run the same command to resume",
               file=sys.stderr)
-        return 143 if isinstance(exc, Terminated) else 130
+        return 143 if terminated else 130
     finally:
         if in_main and signal.getsignal(signal.SIGTERM) is _terminate:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)

@@ -228,8 +228,8 @@ def run_import(fmt: str, module, args, out=None) -> Summary:
     progress = Progress(len(disc.sources))
     try:
         with shards.run_lock(root, run_id):
-            shards.remove_stale_tmp(root, run_id, "import-")  # a killed import's staged files
-            summary = _import_locked(root, run_id, fmt, module, args, disc, texts, path, progress)
+            stale = shards.remove_stale_tmp(root, run_id, "import-")  # a killed import's staged files
+            summary = _import_locked(root, run_id, fmt, module, args, disc, texts, path, progress, stale)
     except BaseException:
         if new_store:
             _remove_new_store(root)
@@ -241,9 +241,10 @@ def run_import(fmt: str, module, args, out=None) -> Summary:
 
 
 def _import_locked(root: Path, run_id: str, fmt: str, module, args, disc: Discovery, texts, path: Path,
-                   progress: Progress) -> Summary:
+                   progress: Progress, stale: int = 0) -> Summary:
     """run_import's work once the run's import lock is held: read, stage, commit (or abort and remove
-    what this import created)."""
+    what this import created, restoring the run row it found). `stale`: staged files of a killed import
+    found (and removed) before: then a run left running may hold a partial commit and stays running."""
     row = run_row(run_id, root, fmt, module.FRAMEWORK, args, disc, path)
     old = shards.existing_run(root, run_id)
     if old is not None:
@@ -252,6 +253,8 @@ def _import_locked(root: Path, run_id: str, fmt: str, module, args, disc: Discov
             raise UserError(f"run {run_id!r} is already in this store with {', '.join(diff)}; pass the same "
                             "--rollout-engine/--rollout-dtype/--trainer-dtype as before, or another --run-name")
         row["created_at"] = old["created_at"]
+    if old is None or old.get("kind") == "import":  # a killed import's runs-row temp file (no Recorder's)
+        shards.remove_stale_tmp(root, run_id, "rank-00000", tables=())
 
     rollout = args.rollout_engine + (f":{args.rollout_dtype}" if args.rollout_dtype else " (dtype not given)")
     summary = Summary(run_id=run_id, store=root, fmt=fmt, scorer=row["config"]["scorer"], rollout=rollout,
@@ -295,9 +298,13 @@ def _import_locked(root: Path, run_id: str, fmt: str, module, args, disc: Discov
             # renames leaves no run that claims to be complete
             shards.write_run_row(root, {**row, "status": "running"}, 0)
             stager.tx.commit()
+        if disc.sources and all(src.skipped for src in disc.sources):
+            raise UserError(f"no {fmt} file to import under {path}: {'; '.join(summary.notes)}")
     except BaseException:
         stager.tx.abort()
         _remove_empty(stager.dirs, root)
+        if old is not None and summary.shards:  # the row it found, as it was
+            shards.write_run_row(root, old, 0)
         if old is None:  # a run this import created: its row goes too
             row_path = shards.run_row_path(root, run_id, 0)
             row_path.unlink(missing_ok=True)
@@ -306,7 +313,7 @@ def _import_locked(root: Path, run_id: str, fmt: str, module, args, disc: Discov
         raise
     # Committed: nothing is undone from here (a failure leaves the row at running, as a kill would). A run
     # left running by an import killed after its renames is complete once nothing is left to add.
-    if summary.shards or (old is not None and old.get("status") == "running"):
+    if summary.shards or (old is not None and old.get("status") == "running" and not stale):
         shards.write_run_row(root, row, 0)
     return summary
 

@@ -190,13 +190,14 @@ def run_steps(root: Path, run_id: str) -> list[int]:
     return sorted(int(d.name.removeprefix("step-")) for d in (root / "sequences" / run_id).glob("step-*"))
 
 
-def remove_stale_tmp(root: Path, run_id: str, prefix: str) -> int:
+def remove_stale_tmp(root: Path, run_id: str, prefix: str, tables: tuple[str, ...] = STEP_TABLES) -> int:
     """Remove the temporary files (`_tmp`) a killed writer left in run `run_id`'s step folders and runs
     folder whose names start with `prefix` (e.g. 'rank-00003': the rank's shards and runs row; 'import-');
     returns how many. Only a writer holding the lock of those names (a Recorder of that rank, an import of
-    the run) calls it: no live writer can be staging them."""
+    the run) calls it: no live writer can be staging them. `tables`: the step tables swept (the runs folder
+    always is)."""
     n = 0
-    folders = [(root / table / run_id, "step-*/") for table in STEP_TABLES] + [(root / "runs" / run_id, "")]
+    folders = [(root / table / run_id, "step-*/") for table in tables] + [(root / "runs" / run_id, "")]
     for folder, steps in folders:
         for f in folder.glob(f"{steps}.{prefix}*.tmp-*"):
             f.unlink(missing_ok=True)
@@ -298,7 +299,8 @@ class RunLock:
 
     def __init__(self, root: Path, run_id: str, what: str, why: str, label: str | None = None,
                  own: str = "wait for it to end"):
-        self.path, self.run_id, self.why, self.own = root / f".{what}-{check_name(run_id)}.lock", run_id, why, own
+        lock = Path(root).resolve() / f".{what}-{check_name(run_id)}.lock"  # one spelling: a held lock is recognised
+        self.path, self.run_id, self.why, self.own = lock, run_id, why, own
         self.what = label or what
         self._fd: int | None = None
 
@@ -391,7 +393,9 @@ class Transaction:
 
     def before_rename(self, fn) -> None:
         """Call `fn()` in `commit()` once every staged file is written and synced, just before the renames
-        (e.g. removing the files the unit replaces: whatever fails before it keeps them)."""
+        (e.g. removing the files the unit replaces: whatever fails before it keeps them). Once one returned
+        a true value (it removed something), an interrupt (Ctrl-C, SIGTERM) during the renames finishes them
+        before it propagates: the unit is then committed, not taken back (its predecessor is gone)."""
         self._before_rename.append(fn)
 
     def committed(self, run_id: str, step: int, name: str) -> bool:
@@ -418,18 +422,24 @@ class Transaction:
         try:
             for _table, tmp, _final in self._staged:
                 _fsync(tmp)
-            for fn in self._before_rename:
-                fn()
+            replaced = [bool(fn()) for fn in self._before_rename]
         except BaseException:
             self.abort()
             raise
         order = {t: i for i, t in enumerate(COMMIT_ORDER)}
         done: list[tuple[str, Path]] = []
+        staged = sorted(self._staged, key=lambda s: order[s[0]])
         try:
-            for table, tmp, final in sorted(self._staged, key=lambda s: order[s[0]]):
+            for table, tmp, final in staged:
                 os.replace(tmp, final)
                 done.append((table, final))
-        except BaseException:
+        except BaseException as exc:
+            if any(replaced) and isinstance(exc, KeyboardInterrupt):
+                # what this unit replaces is gone already: finish the renames rather than leave neither
+                for _table, tmp, final in staged[len(done):]:
+                    os.replace(tmp, final)
+                self._staged = []
+                raise
             for _table, final in sorted(done, key=lambda d: -order[d[0]]):
                 final.unlink(missing_ok=True)  # (a shard it had replaced under the same name is not restored)
             self.abort()  # the staged files not renamed yet

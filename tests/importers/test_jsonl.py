@@ -292,16 +292,16 @@ def test_without_flock_the_import_warns_and_goes_on(cli, tmp_path, monkeypatch):
 _SIGNAL_AT_RENAME = """
 import os, signal, sys
 from mismatch_lab.store import shards
-sig, real, renamed = int(sys.argv[1]), os.replace, []
+sig, tables, real, renamed = int(sys.argv[1]), sys.argv[2].split(","), os.replace, []
 def replace(src, dst):
-    if "/tokens/" in str(dst) or "/sequences/" in str(dst):
+    if any(f"/{t}/" in str(dst) for t in tables):
         renamed.append(dst)
         if len(renamed) == 2:  # between the commit's renames
             os.kill(os.getpid(), sig)
     real(src, dst)
 os.replace = replace
 from mismatch_lab.cli import main
-sys.exit(main(sys.argv[2:]))
+sys.exit(main(sys.argv[3:]))
 """
 
 
@@ -309,8 +309,8 @@ sys.exit(main(sys.argv[2:]))
 def test_a_terminated_or_killed_import_leaves_no_run_claiming_to_be_complete(tmp_path, sig):
     store = tmp_path / "store"
     f = write_jsonl(tmp_path / "a.jsonl", jsonl_lines(3, n=4))
-    out = subprocess.run([sys.executable, "-c", _SIGNAL_AT_RENAME, str(int(sig)), "import", "jsonl", str(f), "--out",
-                          str(store)], check=False, capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", _SIGNAL_AT_RENAME, str(int(sig)), "tokens,sequences", "import", "jsonl",
+                          str(f), "--out", str(store)], check=False, capture_output=True, text=True, timeout=120)
     if sig == signal.SIGTERM:  # handled as Ctrl-C: undone, and the store this import created removed
         assert out.returncode == 143 and "terminated (SIGTERM)" in out.stderr, out.stderr
         assert not store.exists()
@@ -338,3 +338,32 @@ def test_an_import_killed_after_its_renames_is_marked_complete_by_the_next(cli, 
     code, out, _ = cli("import", "jsonl", f, "--out", store)  # everything is in: nothing to add
     assert code == 0 and "0 read, 1 skipped" in out
     assert open_store(store).execute("SELECT status FROM runs").fetchall() == [("complete",)]
+
+
+def test_a_terminated_import_into_a_complete_run_leaves_it_complete(cli, tmp_path):
+    from mismatch_lab.store.reader import open_store
+
+    store = tmp_path / "store"
+    assert cli("import", "jsonl", write_jsonl(tmp_path / "a.jsonl", jsonl_lines(3, n=4)), "--out", store,
+               "--run-name", "r")[0] == 0
+    before = store_files(store)
+    b = write_jsonl(tmp_path / "b.jsonl", jsonl_lines(4, n=4))
+    out = subprocess.run([sys.executable, "-c", _SIGNAL_AT_RENAME, str(int(signal.SIGTERM)), "tokens,sequences",
+                          "import", "jsonl", str(b), "--out", str(store), "--run-name", "r"], check=False,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 143, out.stderr
+    assert store_files(store) == before
+    assert open_store(store).execute("SELECT status FROM runs").fetchall() == [("complete",)]
+
+
+def test_a_run_partly_committed_by_a_kill_stays_running_after_a_reimport(cli, tmp_path):
+    from mismatch_lab.store.reader import open_store
+
+    store = tmp_path / "store"
+    f = write_jsonl(tmp_path / "a.jsonl", jsonl_lines(3, n=6))  # several steps: several sequences shards
+    out = subprocess.run([sys.executable, "-c", _SIGNAL_AT_RENAME, str(int(signal.SIGKILL)), "sequences", "import",
+                          "jsonl", str(f), "--out", str(store)], check=False, capture_output=True, text=True, timeout=120)
+    assert out.returncode == -signal.SIGKILL, out.stderr
+    code, text, _ = cli("import", "jsonl", f, "--out", store)
+    assert code == 0 and "0 read, 1 skipped" in text  # its first step is in: the file counts as imported
+    assert open_store(store).execute("SELECT status FROM runs").fetchall() == [("running",)]  # the sign it is partial

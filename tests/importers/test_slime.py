@@ -163,3 +163,12 @@ def test_a_folder_skips_files_that_are_no_train_dump_and_names_them(cli, tmp_pat
     torch.save(p, d / "train_4.pt")
     code, _, err = cli("import", "slime", d, "--out", tmp_path / "other", "--trust-pickle")
     assert code == 2 and "train_4.pt: not a slime train-data dump of format_version 2 (format_version 3)" in err
+
+
+def test_a_folder_without_any_train_dump_is_an_error_and_leaves_no_store(cli, tmp_path):
+    d = tmp_path / "rollout_data"
+    d.mkdir()
+    torch.save({"rollout_id": 3, "samples": [{"tokens": [1, 2]}]}, d / "3.pt")
+    code, _, err = cli("import", "slime", d, "--out", tmp_path / "store", "--trust-pickle")
+    assert code == 2 and "no slime file to import" in err and "3.pt skipped: a rollout dump" in err
+    assert not (tmp_path / "store").exists()

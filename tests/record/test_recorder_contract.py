@@ -228,3 +228,33 @@ def test_a_run_whose_config_holds_its_cap_as_a_string_continues(tmp_path):
         rec.log_step(0, *_batch())
     with Recorder(tmp_path / "s", "r", framework="trl", max_sequences_per_step=np.int64(8)) as rec:
         assert rec.log_step(1, *_batch()) == 24
+
+
+def test_an_interrupt_during_a_relogged_steps_renames_leaves_the_new_rows(tmp_path, monkeypatch):
+    store = tmp_path / "s"
+    first = Recorder(store, "r", framework="trl")
+    first.log_step(7, *_batch())
+    del first
+    resumed = Recorder(store, "r", framework="trl")
+    real, renamed = shards.os.replace, []
+
+    def interrupted(src, dst):
+        renamed.append(dst)
+        if len(renamed) == 2:  # the old files are gone, one new file is in place
+            raise KeyboardInterrupt
+        real(src, dst)
+
+    monkeypatch.setattr(shards.os, "replace", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        resumed.log_step(7, *_batch(B=2, seed=1))
+    monkeypatch.undo()
+    assert _count(store) == 12 and _count(store, "SELECT count(*) FROM sequences") == 2  # the new call, whole
+    resumed.close()
+
+
+def test_a_dropped_recorder_is_recognised_however_the_store_path_is_spelled(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    rec = Recorder("s", "r", framework="trl")
+    rec.cycle = rec
+    del rec
+    Recorder(tmp_path / "s", "r", framework="trl").close()
