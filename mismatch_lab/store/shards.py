@@ -292,9 +292,9 @@ class RunLock:
     """The exclusive `what` lock of run `run_id` in store `root` (module docstring): an advisory flock on
     `root/.<what>-<run_id>.lock`, so a killed holder leaves no stale lock. The file names its holder for
     the error a second process gets (`UserError`: "another <label> into run ... is running (holder); <why>";
-    label defaults to what; `own`: the advice when this process holds it), and is removed on release by the process that took it. A lock this process
-    holds through an object it no longer references (a cycle the garbage collector has not reached yet)
-    is freed by one collection before refusing. Where the file system has no flock, `acquire` warns and
+    label defaults to what; `own`: the advice when this process holds it), and is removed on release by the
+    process that took it. A lock this process holds through an object it no longer references (a cycle the
+    garbage collector has not reached yet) is freed by one collection before refusing. Where the file system has no flock, `acquire` warns and
     holds nothing."""
 
     def __init__(self, root: Path, run_id: str, what: str, why: str, label: str | None = None,
@@ -329,7 +329,7 @@ class RunLock:
         """One attempt: True when locked (or unguarded), False to retry (the file was replaced meanwhile);
         BlockingIOError (its text the holder) while another open file holds the lock."""
         try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)  # not inherited by exec'd children (PEP 446)
         except OSError as exc:
             raise UserError(f"cannot create the lock file {self.path} ({exc.strerror}); the store must be "
                             "writable to write into it") from None
@@ -416,13 +416,14 @@ class Transaction:
     def commit(self) -> int:
         """Rename every staged file into place; returns how many shards were committed. An exception
         between the renames (an error, Ctrl-C) takes the renamed ones back out again, sequences first,
-        and removes the rest: the transaction is wholly committed or not at all. (A
+        and removes the rest: the transaction is wholly committed or not at all (except after a
+        `before_rename` function removed what the unit replaces: an interrupt then finishes the renames). (A
         process killed outright between two renames cannot undo: the units whose sequences shard was
         already renamed stay, the others stay invisible, `committed_files`.)"""
         try:
             for _table, tmp, _final in self._staged:
                 _fsync(tmp)
-            replaced = [bool(fn()) for fn in self._before_rename]
+            replaced = [fn() for fn in self._before_rename]  # every one runs (no short-circuit)
         except BaseException:
             self.abort()
             raise
