@@ -9,8 +9,12 @@
 
 What is recorded (written for TRL 1.16; `GRPOTrainer._generate_and_score_completions` builds the batch):
   tokens.logp_rollout  μ = `sampling_per_token_logps`: vLLM's log-prob of each sampled token. TRL starts its
-                       colocated engine with logprobs_mode="processed_logprobs" (after temperature and
-                       top-k/top-p processing) and warns when a vLLM server runs with another mode.
+                       colocated engine with logprobs_mode="processed_logprobs" (after temperature,
+                       penalties and top-k/top-p/min-p truncation) and warns when a vLLM server runs with
+                       another mode (attach reads the server's into runs.config.mu). π is the trainer's
+                       softmax at the same temperature without truncation or penalties: with top_p < 1,
+                       top_k, min_p or a penalty set, μ and π are different distributions even with
+                       identical numerics (attach warns; runs.config.mu_processing names the options).
   scores.logp          π = `old_per_token_logps`: the trainer's no-grad forward at the weights that
                        generated the batch (scorer '<framework>:<trainer dtype>', e.g. 'trl:fp32').
   tokens               `completion_ids` where `completion_mask` (times `tool_mask` in tool-calling runs) is
@@ -18,7 +22,7 @@ What is recorded (written for TRL 1.16; `GRPOTrainer._generate_and_score_complet
   sequences.advantage  `advantages` [B]; sequences.reward: the weighted sum of the reward functions' values
                        (TRL's logged `reward`, NaN for a completion every function declined), taken from
                        `_calculate_rewards`, the only place TRL exposes per-completion rewards as values.
-  sequences.prompt_id  the GRPO group, '<step>-<k>-<g>': the g-th group of the k-th batch generated for step.
+  sequences.prompt_id  the GRPO group, '<step>-<k>-<g>': the g-th group of the k-th batch recorded for step.
   train_metrics        every value TRL appended to its train metrics while producing the batch, named
                        'trl/<TRL's name>' (trl/sampling/sampling_logp_difference/mean, trl/reward, ...).
 
@@ -31,8 +35,12 @@ num_iterations` micro-steps and reuses the batch for the other micro-steps and i
 are not recorded again. With the defaults (steps_per_generation = gradient_accumulation_steps,
 num_iterations = 1) there is one batch per optimizer step. With steps_per_generation <
 gradient_accumulation_steps several batches fall into one optimizer step: each is one `log_step` call of
-that step (its parts), and TRL's logged metric is then the mean of the batches' values. Evaluation
-batches are not recorded.
+that step (its parts), and TRL's logged metric is then the mean of the batches' values, except for a
+metric TRL replaces rather than appends to (`num_tokens`, a running total): TRL logs the last batch's
+value, the store holds each batch's and its per-step series averages them. Evaluation batches are not
+recorded. A second `train()` of the same trainer needs a new `attach` (the first Recorder closed when
+its call ended); a job resumed from a checkpoint at step s removes the steps recorded after s (rank 0
+also those of ranks the resumed job no longer has: `Recorder.drop_steps_after`).
 
 Per-step mean |log π − log μ| over the stored finite token rows equals TRL's
 `sampling/sampling_logp_difference/mean` for one process, one batch per step and logging_steps=1; with several processes
@@ -107,37 +115,45 @@ def attach(trainer, path: str | Path, **recorder_kwargs) -> Recorder:
         raise UserError(f"every must be at least 1, got {every}")
     config["every_generated_batches"] = every
     run_name = kwargs.pop("run_name", None) or _default_run_name(trainer.args)
-    _check_same_experiment(Path(path).expanduser(), run_name, config["trl"], every)
+    _check_same_experiment(Path(path).expanduser(), run_name, config["trl"], every, kwargs.get("model"))
+    _warn_truncated(config)
     recorder = Recorder(path, run_name, config=config, **kwargs)
-    _Hook(trainer, recorder, every).install()
+    hook = getattr(trainer, "_mismatch_lab_hook", None)
+    if hook is None:
+        _Hook(trainer, recorder, every).install()
+    else:  # a later train() call of this trainer (its earlier Recorder closed when that call ended)
+        hook.restart(recorder, every)
     return recorder
 
 
-def _check_same_experiment(root: Path, run_name: str, trl_options: dict, every: int) -> None:
-    """A run the store already holds under this name continues only with the same TRL options and attach's
-    `every` (a resumed job); another experiment under the default name (e.g. output_dir 'trainer_output')
-    would merge into it."""
+def _check_same_experiment(root: Path, run_name: str, trl_options: dict, every: int, model: str | None) -> None:
+    """A run the store already holds under this name continues only with the same model, TRL options and
+    attach's `every` (a resumed job); another experiment under the default name (e.g. output_dir
+    'trainer_output') would merge into it."""
     from mismatch_lab.store import shards
 
     old = shards.existing_run(root, run_name) if root.is_dir() else None
     cfg = {} if old is None else json.loads(old.get("config") or "{}")
     if cfg.get("trl") is None:
         return
-    theirs = {**cfg["trl"], "every": cfg.get("every_generated_batches")}
-    ours = {**trl_options, "every": every}
+    theirs = {**cfg["trl"], "every": cfg.get("every_generated_batches"), "model": old.get("model")}
+    ours = {**trl_options, "every": every, "model": model}
     diff = [f"{k} {theirs.get(k)!r} (now {ours.get(k)!r})" for k in sorted(set(theirs) | set(ours))
             if theirs.get(k) != ours.get(k)]
     if not diff:
         return
-    raise UserError(f"run {run_name!r} is already in {root} with other TRL (or attach) options: {', '.join(diff)}; pass "
+    raise UserError(f"run {run_name!r} is already in {root} with another model or other TRL (or attach) options: "
+                    f"{', '.join(diff)}; pass "
                     "attach(..., run_name=...) (or GRPOConfig(run_name=...)) for a new experiment")
 
 
 def _check_trainer(trainer) -> None:
     if not callable(getattr(trainer, "_generate_and_score_completions", None)):
         raise UserError(f"attach() takes a trl.GRPOTrainer (TRL 1.16); got {type(trainer).__name__}")
-    if getattr(trainer, "_mismatch_lab_recorder", None) is not None:  # before a second Recorder writes a row
-        raise UserError("attach() was already called on this trainer; one Recorder per trainer")
+    live = getattr(trainer, "_mismatch_lab_recorder", None)
+    if live is not None and not live.closed:  # before a second Recorder writes a row
+        raise UserError("attach() was already called on this trainer and its Recorder is open; one Recorder per "
+                        "trainer at a time (close() it first, or attach again after train() returned)")
     args = trainer.args
     use_vllm = bool(getattr(trainer, "use_vllm", getattr(args, "use_vllm", False)))
     correction = bool(getattr(trainer, "vllm_importance_sampling_correction",
@@ -146,9 +162,10 @@ def _check_trainer(trainer) -> None:
     if off:
         raise UserError(
             f"attach() needs GRPOConfig({', '.join(f'{n}=True' for n in off)}): {' and '.join(off)} "
-            f"{'is' if len(off) == 1 else 'are'} off in this trainer, and without "
-            "vllm_importance_sampling_correction (and vLLM) GRPOTrainer computes neither the rollout log-probs "
-            "(sampling_per_token_logps) nor the trainer's log-probs of the batch (old_per_token_logps)"
+            f"{'is' if len(off) == 1 else 'are'} off in this trainer. Without vLLM GRPOTrainer has no rollout "
+            "log-probs μ (sampling_per_token_logps); without the correction it skips the trainer's log-probs of the "
+            "batch π (old_per_token_logps) whenever generation lines up with the optimizer steps (the default) and "
+            "logs no sampling_logp_difference to compare with"
         )
 
 
@@ -170,6 +187,45 @@ def _rollout_dtype(trainer) -> str | None:
         return _TORCH_DTYPES.get(str(trainer.vllm_generation.llm.llm_engine.model_config.dtype))
     except AttributeError:  # server mode: the engine is in another process
         return None
+
+
+MU_NEUTRAL = {"top_p": 1.0, "top_k": (0, -1, None), "min_p": (0.0, None), "repetition_penalty": 1.0,
+              "presence_penalty": 0.0, "frequency_penalty": 0.0}
+"""vLLM sampling options -> their value(s) that leave the distribution alone. Any other value changes vLLM's
+processed log-probs (μ) but not the trainer's tempered softmax (π): top-k/top-p/min-p renormalise μ over the
+kept tokens (log μ − log π = −log of the kept mass, ≥ 0, with identical numerics), penalties shift logits."""
+
+
+def _mu_processing(args) -> dict:
+    """The sampling options of `args` (GRPOConfig, its generation_kwargs overriding) that make μ another
+    distribution than π (MU_NEUTRAL): name -> value, empty when μ and π share their definition."""
+    extra = args.generation_kwargs if isinstance(getattr(args, "generation_kwargs", None), dict) else {}
+    out = {}
+    for name, neutral in MU_NEUTRAL.items():
+        value = extra.get(name, getattr(args, name, None))
+        if value not in (neutral if isinstance(neutral, tuple) else (neutral, None)):
+            out[name] = value
+    return out
+
+
+def _warn_truncated(config: dict) -> None:
+    if config.get("mu_processing"):
+        opts = ", ".join(f"{k}={v!r}" for k, v in config["mu_processing"].items())
+        warnings.warn(f"mismatch_lab: with {opts} vLLM's log-probs μ are those of the truncated or penalised sampling "
+                      "distribution and the trainer's π of the plain softmax: the recorded mismatch includes that "
+                      "difference besides numerics (stored as runs.config.mu_processing)", stacklevel=3)
+
+
+def _logprobs_mode(trainer) -> str:
+    """vLLM's logprobs_mode behind μ: TRL starts its colocated engine with processed_logprobs; a server's
+    is read from the server (TRL only warns when it differs), 'unknown' where that fails."""
+    if getattr(trainer.args, "vllm_mode", "colocate") != "server":
+        return "processed_logprobs"
+    try:
+        return str(trainer.vllm_generation.vllm_client.get_server_info()["model_config"]["logprobs_mode"])
+    except (AttributeError, KeyError, TypeError, ValueError, OSError):  # no client on this process, an older
+        # server, no connection (requests' errors are OSErrors)
+        return "unknown"
 
 
 def _default_run_name(args) -> str:
@@ -199,7 +255,8 @@ def _recorder_defaults(trainer) -> dict:
         "rank": int(trainer.accelerator.process_index), "model": None if model is None else str(model),
         "config": {
             "trl": trl_options,
-            "mu": "sampling_per_token_logps (vLLM, logprobs_mode=processed_logprobs)",
+            "mu": f"sampling_per_token_logps (vLLM, logprobs_mode={_logprobs_mode(trainer)})",
+            "mu_processing": _mu_processing(args),
             "pi": "old_per_token_logps (trainer forward at the rollout's weights, no grad)",
             "step": "state.global_step + 1 at generation: the first optimizer step that trains on the batch",
         },
@@ -221,9 +278,7 @@ class _Hook:
         from transformers import TrainerCallback
 
         trainer = self.trainer
-        if getattr(trainer, "_mismatch_lab_recorder", None) is not None:
-            raise UserError("attach() was already called on this trainer; one Recorder per trainer")
-        trainer._mismatch_lab_recorder = self.recorder
+        trainer._mismatch_lab_hook, trainer._mismatch_lab_recorder = self, self.recorder
         calc, gen, train = trainer._calculate_rewards, trainer._generate_and_score_completions, trainer.train
 
         def calculate_rewards(*args, **kwargs):
@@ -247,16 +302,22 @@ class _Hook:
                 self.recorder.close("failed")
                 raise
 
-        recorder = self.recorder
+        hook = self
 
         class CloseRecorder(TrainerCallback):
             def on_train_end(self, args, state, control, **kwargs):
-                recorder.close("complete")
+                hook.recorder.close("complete")
 
         trainer._calculate_rewards = calculate_rewards
         trainer._generate_and_score_completions = generate_and_score
         trainer.train = train_and_close
         trainer.add_callback(CloseRecorder())
+
+    def restart(self, recorder: Recorder, every: int) -> None:
+        """Record the trainer's next train() call into `recorder` (the wrappers stay those installed)."""
+        self.recorder, self.every = recorder, every
+        self._generated, self._batches, self._warned_closed = 0, {}, False
+        self.trainer._mismatch_lab_recorder = recorder
 
     def record(self, out: dict, metrics_before: dict) -> None:
         trainer, rec = self.trainer, self.recorder
@@ -290,17 +351,13 @@ class _Hook:
                      group_ids=group_ids, metrics=self._new_metrics(metrics_before))  # fmt: skip
 
     def _drop_later_steps(self, done: int) -> None:
-        """A run resumed from a checkpoint at step `done`: this rank's steps recorded after it (by the run
-        that went on past the checkpoint, on weights since thrown away) are removed, so the store holds
-        what the resumed run trains on."""
-        from mismatch_lab.store import shards
-
-        rec = self.recorder
-        dropped = [s for s in shards.run_steps(rec.root, rec.run_id)
-                   if s > done and shards.drop_rank_step(rec.root, rec.run_id, s, rec.rank)]
+        """Training starts after step `done` (a resume, or 0): the steps recorded after it before are
+        removed (`Recorder.drop_steps_after`; rank 0 also those of ranks this job no longer has)."""
+        world = int(getattr(self.trainer.accelerator, "num_processes", 1) or 1)
+        dropped = self.recorder.drop_steps_after(done, world_size=world)
         if dropped:
-            warnings.warn(f"mismatch_lab: training starts after step {done}: removed this rank's {len(dropped)} step(s) "
-                          f"recorded after it before ({dropped[0]}..{dropped[-1]})", stacklevel=3)
+            warnings.warn(f"mismatch_lab: training starts after step {done}: removed {len(dropped)} step(s) recorded "
+                          f"after it before ({dropped[0]}..{dropped[-1]})", stacklevel=3)
 
     def _local_rewards(self, first: int, B: int):
         """The batch's per-completion rewards as TRL logs `reward`: reward functions' values times

@@ -7,7 +7,8 @@ its files, so ranks never share one, and an open Recorder holds a lock on its (r
 one is refused. Several calls for one step (micro-batches) add to the step. A resumed job's first call
 for a step it logged before replaces that rank's earlier files of the step, once the new ones are staged
 and synced (the old ones go just before the new ones are renamed into place): nothing is counted twice,
-and a step never holds old and new rows side by side.
+and a step never holds old and new rows side by side. `drop_steps_after` removes the steps a resumed job
+will not log again (those past its checkpoint; with the job's world size, those of ranks it lost).
 
 Cost control for long runs: `every=N` records steps divisible by N; `max_sequences_per_step=M` keeps the
 first M sequences of each step (of this rank, over its calls). Both are written into the run's config so
@@ -19,6 +20,7 @@ from __future__ import annotations
 import os
 import platform
 import sys
+import warnings
 from collections import defaultdict
 from pathlib import Path
 from typing import Self
@@ -125,6 +127,15 @@ def to_numpy(*tensors):
     return out
 
 
+def rank_lock(root: Path, run_id: str, rank: int) -> shards.RunLock:
+    """The lock an open Recorder of (run, rank) holds (module docstring), not yet acquired."""
+    return shards.RunLock(
+        root, run_id, f"record-rank-{rank:05d}", label=f"Recorder of rank {rank}",
+        why="give each process its own rank= (or $RANK), or close() the other Recorder first: two writers of "
+            "one rank replace each other's steps",
+        own="close() it first (a notebook cell run again: close the Recorder the earlier run returned)")  # fmt: skip
+
+
 class Recorder:
     """Write a training run's per-token mismatch into the shard store at `path` (module docstring)."""
 
@@ -169,11 +180,7 @@ class Recorder:
             raise UserError(f"run {self.run_id!r} is already in {self.root} with {', '.join(diff)}; record it with "
                             "the same kind, framework, rollout_engine, rollout_dtype, trainer_dtype, every and "
                             "max_sequences_per_step, or under another run_name")
-        self._lock = shards.RunLock(
-            self.root, self.run_id, f"record-rank-{self.rank:05d}", label=f"Recorder of rank {self.rank}",
-            why="give each process its own rank= (or $RANK), or close() the other Recorder first: two writers of "
-                "one rank replace each other's steps",
-            own="close() it first (a notebook cell run again: close the Recorder the earlier run returned)")  # fmt: skip
+        self._lock = rank_lock(self.root, self.run_id, self.rank)
         self.closed = True  # until the lock is held: __del__ and close() then have nothing to do
         self._lock.acquire()
         try:
@@ -254,6 +261,52 @@ class Recorder:
         n = tables["tokens"].num_rows
         self.tokens_written += n
         return n
+
+    def drop_steps_after(self, step: int, world_size: int | None = None) -> list[int]:
+        """A job resumed from a checkpoint at training step `step` (0: started afresh): remove the steps
+        after it that this rank recorded before (the earlier job went on past the checkpoint, on weights
+        since thrown away), so the store holds what the resumed run trains on; returns the steps removed.
+        With `world_size` (the job's process count), rank 0 also removes the later steps of every rank
+        >= world_size (a job restarted on fewer processes: none of its processes replaces them); such a
+        rank keeps its runs row, marked complete, while it holds steps up to `step`, and loses it
+        otherwise. A rank whose Recorder is open elsewhere is left alone, with a warning."""
+        if self.closed:
+            raise UserError("this Recorder is closed; make a new one to record more")
+        step = whole(step, "step", 0, STEP_END, INT_RANGE)
+        world = None if world_size is None else whole(world_size, "world_size", 1, MAX_RANKS + 1)
+        dropped = self._drop_rank_after(self.rank, step)
+        if world is not None and self.rank == 0:
+            for rank in (r for r in shards.run_ranks(self.root, self.run_id) if r >= world):
+                lock = rank_lock(self.root, self.run_id, rank)
+                try:
+                    lock.acquire()
+                except UserError as busy:
+                    warnings.warn(f"mismatch_lab: rank {rank}'s steps after {step} are kept: {busy}", stacklevel=2)
+                    continue
+                try:
+                    dropped |= self._drop_rank_after(rank, step)
+                    self._retire_rank(rank)
+                finally:
+                    lock.release()
+        return sorted(dropped)
+
+    def _drop_rank_after(self, rank: int, step: int) -> set[int]:
+        shards.remove_stale_tmp(self.root, self.run_id, f"rank-{rank:05d}")
+        return {s for s in shards.run_steps(self.root, self.run_id)
+                if s > step and shards.drop_rank_step(self.root, self.run_id, s, rank)}
+
+    def _retire_rank(self, rank: int) -> None:
+        """A rank no process of this job writes: its runs row marked complete (its steps end at the
+        resume point), or removed when it holds no step any more."""
+        path = shards.run_row_path(self.root, self.run_id, rank)
+        if not shards.rank_has_shards(self.root, self.run_id, rank):
+            path.unlink(missing_ok=True)
+            return
+        import pyarrow.parquet as pq
+
+        row = pq.read_table(path).to_pylist()[0]
+        if row["status"] != "complete":
+            shards.write_run_row(self.root, row | {"status": "complete"}, rank)
 
     def close(self, status: str = "complete") -> None:
         """Mark this rank's part of the run `status` ('complete' or 'failed'); idempotent."""

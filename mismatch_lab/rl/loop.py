@@ -406,11 +406,7 @@ def train(cfg: TrainConfig, *, progress: bool = True, log=None) -> str:
     cfg.validate()
     import transformers
 
-    from mismatch_lab.corrections.registry import OBJECTIVES
-    from mismatch_lab.engines.base import make_engine
     from mismatch_lab.models import resolve_model
-    from mismatch_lab.record.flat import TextLookup
-    from mismatch_lab.rl.tasks import TASKS
     from mismatch_lab.runtime import load_tokenizer
     from mismatch_lab.store.writer import StoreWriter
 
@@ -420,9 +416,22 @@ def train(cfg: TrainConfig, *, progress: bool = True, log=None) -> str:
     run_id = cfg.run_id()
     ckpt_path = _checkpoint_path(cfg, run_id)
     writer = StoreWriter(cfg.db)
+    try:
+        return _train_in(cfg, writer, run_id, tokenizer, model_ctx, model_path, ckpt_path, log)
+    finally:
+        writer.close()
+
+
+def _train_in(cfg: TrainConfig, writer, run_id: str, tokenizer, model_ctx, model_path: str, ckpt_path: str,
+              log) -> str:
+    """`train` once the store is open (the caller closes it): resume point, engine, steps."""
+    from mismatch_lab.corrections.registry import OBJECTIVES
+    from mismatch_lab.engines.base import make_engine
+    from mismatch_lab.record.flat import TextLookup
+    from mismatch_lab.rl.tasks import TASKS
+
     if writer.run_status(run_id) == "complete" and max(writer.done_chunks(run_id), default=0) >= cfg.steps:
         print(f"{run_id}: already complete, nothing to do", file=sys.stderr)
-        writer.close()
         return run_id
     model, optimizer, start = _load_trainer(cfg, model_path, ckpt_path)
     if start >= cfg.steps:  # the checkpoint already covers the requested steps: no engine needed
@@ -430,18 +439,19 @@ def train(cfg: TrainConfig, *, progress: bool = True, log=None) -> str:
         # checkpoint's own history and stay (deleting them lost steps when a smaller --steps followed a kill)
         _delete_steps_after(writer.con, run_id, start)
         writer.set_status(run_id, "complete")
-        writer.close()
         return run_id
     redone = _delete_steps_after(writer.con, run_id, start)
     if start or redone:
         print(f"{run_id}: resuming after step {start} (checkpoint {ckpt_path if start else 'none'}); "
               f"{redone} committed step(s) after it are redone", file=sys.stderr)
-    engine = make_engine("vllm", model_path, cfg.rollout_dtype, seed=cfg.seed, max_model_len=min(2048, model_ctx or 2048),
-                         kv_cache_bytes=cfg.kv_cache_mb << 20, max_logprobs=20)
-    ctx = {"engine": engine, "tokenizer": tokenizer, "task": TASKS[cfg.task], "model": model, "optimizer": optimizer,
-           "loss_cfg": cfg.loss_config(), "use_topk": "topk" in OBJECTIVES[cfg.loss].needs, "writer": writer,
-           "run_id": run_id, "scorer": f"hf:{cfg.trainer_dtype}", "texts": TextLookup(tokenizer)}
+    engine = None  # built inside the try: an interrupt during vLLM's start-up still closes what it started
     try:
+        engine = make_engine("vllm", model_path, cfg.rollout_dtype, seed=cfg.seed,
+                             max_model_len=min(2048, model_ctx or 2048), kv_cache_bytes=cfg.kv_cache_mb << 20,
+                             max_logprobs=20)
+        ctx = {"engine": engine, "tokenizer": tokenizer, "task": TASKS[cfg.task], "model": model,
+               "optimizer": optimizer, "loss_cfg": cfg.loss_config(), "use_topk": "topk" in OBJECTIVES[cfg.loss].needs,
+               "writer": writer, "run_id": run_id, "scorer": f"hf:{cfg.trainer_dtype}", "texts": TextLookup(tokenizer)}
         if start or cfg.rollout_weights != "none":
             sync_weights(engine, model, cfg.rollout_weights)  # the checkpoint's (or rounded) weights, not the base
         _start_run(cfg, writer, run_id, model_path, engine, ctx["scorer"])
@@ -457,8 +467,9 @@ def train(cfg: TrainConfig, *, progress: bool = True, log=None) -> str:
             writer.set_status(run_id, "failed")
         raise
     finally:
-        engine.close()
-        writer.close()
+        if engine is not None:
+            engine.close()
+    return run_id
     return run_id
 
 

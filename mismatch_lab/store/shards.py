@@ -217,6 +217,16 @@ def drop_rank_step(root: Path, run_id: str, step: int, rank: int) -> int:
     return n
 
 
+def run_ranks(root: Path, run_id: str) -> list[int]:
+    """The ranks that wrote a runs row of `run_id` (`run_row_path`), sorted."""
+    return sorted(int(f.stem.removeprefix("rank-")) for f in (root / "runs" / run_id).glob("rank-*.parquet"))
+
+
+def rank_has_shards(root: Path, run_id: str, rank: int) -> bool:
+    """Whether rank `rank` has a committed shard of run `run_id` in any step (read from its sequences)."""
+    return any((root / "sequences" / run_id).glob(f"step-*/rank-{int(rank):05d}-part-*.parquet"))
+
+
 def _tmp(final: Path) -> Path:
     return final.with_name(f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
 

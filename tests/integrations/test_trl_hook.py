@@ -4,6 +4,7 @@ test_trl.py)."""
 
 from __future__ import annotations
 
+import json
 import types
 from collections import defaultdict
 
@@ -27,13 +28,13 @@ class StandIn:
     """The attributes attach() reads, and TRL's loop: generate when `_step % (steps_per_generation *
     num_iterations) == 0`, one micro-step per gradient-accumulation step."""
 
-    def __init__(self, *, ga=1, spg=None, num_iterations=1, B=4, T=5):
+    def __init__(self, *, ga=1, spg=None, num_iterations=1, B=4, T=5, rank=0, world=1, **args):
         self.args = types.SimpleNamespace(
             use_vllm=True, vllm_importance_sampling_correction=True, bf16=False, fp16=False, run_name="standin",
             output_dir="out", gradient_accumulation_steps=ga, steps_per_generation=spg or ga,
-            num_iterations=num_iterations, num_generations=2)
+            num_iterations=num_iterations, num_generations=2, **args)
         self.model = _Model().train()
-        self.accelerator = types.SimpleNamespace(process_index=0)
+        self.accelerator = types.SimpleNamespace(process_index=rank, num_processes=world)
         self.state = types.SimpleNamespace(global_step=0)
         self.num_generations, self.reward_weights = 2, torch.tensor([1.0])
         self._metrics = {"train": defaultdict(list)}
@@ -111,7 +112,7 @@ def test_a_run_resumed_from_a_checkpoint_replaces_the_steps_recorded_after_it(tm
     resumed = StandIn()
     resumed.state.global_step = 3  # TRL restores global_step, not its micro-step counter
     attach(resumed, tmp_path / "s")
-    with pytest.warns(UserWarning, match=r"removed this rank's 3 step\(s\) recorded after it before \(4..6\)"):
+    with pytest.warns(UserWarning, match=r"removed 3 step\(s\) recorded after it before \(4..6\)"):
         resumed.train(5)
     con = open_store(tmp_path / "s")
     assert _steps(tmp_path / "s") == [1, 2, 3, 4, 5]
@@ -128,3 +129,87 @@ def test_another_experiment_under_the_same_run_name_is_refused(tmp_path):
         attach(StandIn(num_iterations=2), tmp_path / "s")
     with pytest.raises(UserError, match=r"options: every 1 \(now 3\)"):  # attach's own sampling, too
         attach(StandIn(), tmp_path / "s", every=3)
+
+
+def test_a_second_train_call_of_the_same_trainer_records_through_a_new_attach(tmp_path):
+    """A notebook resumes the same trainer object after its first train() ended: attach again, and the
+    second call is recorded once per batch (the wrappers are not stacked)."""
+    trainer = StandIn()
+    first = attach(trainer, tmp_path / "s")
+    trainer.train(3)
+    assert first.closed
+    second = attach(trainer, tmp_path / "s")
+    trainer.train(5)
+    assert second.closed and _steps(tmp_path / "s") == [1, 2, 3, 4, 5]
+    con = open_store(tmp_path / "s")
+    assert con.execute("SELECT step, count(*) FROM sequences GROUP BY step ORDER BY step").fetchall() \
+        == [(s, 4) for s in range(1, 6)]
+    assert con.execute("SELECT status FROM runs").fetchone()[0] == "complete"
+
+
+def _ranks_by_step(store) -> list[tuple[int, int]]:
+    return open_store(store).execute(
+        "SELECT step, count(DISTINCT seq_id >> 20) FROM sequences GROUP BY step ORDER BY step").fetchall()
+
+
+def test_a_job_resumed_on_fewer_processes_drops_the_later_steps_of_the_ranks_it_no_longer_has(tmp_path):
+    store = tmp_path / "s"
+    for rank in (0, 1):  # a 2-process job recorded steps 1..4 on each rank, then died
+        attach(trainer := StandIn(rank=rank, world=2), store)
+        trainer.train(4)
+    assert [n for _, n in _ranks_by_step(store)] == [2, 2, 2, 2]
+    resumed = StandIn(rank=0, world=1)
+    resumed.state.global_step = 2
+    attach(resumed, store)
+    with pytest.warns(UserWarning, match=r"removed 2 step\(s\) recorded after it before \(3..4\)"):
+        resumed.train(4)
+    assert _ranks_by_step(store) == [(1, 2), (2, 2), (3, 1), (4, 1)]  # rank 1 keeps only what the checkpoint covers
+    con = open_store(store)
+    assert con.execute("SELECT status, n_ranks FROM runs").fetchone() == ("complete", 2)
+    restarted = StandIn(rank=0, world=1)  # from step 0: rank 1 holds nothing any more, its runs row goes too
+    attach(restarted, store)
+    with pytest.warns(UserWarning, match=r"training starts after step 0"):
+        restarted.train(2)
+    assert _ranks_by_step(store) == [(1, 1), (2, 1)]
+    assert open_store(store).execute("SELECT n_ranks FROM runs").fetchone()[0] == 1
+
+
+def test_another_model_under_the_same_run_name_is_refused(tmp_path):
+    attach(StandIn(), tmp_path / "s").close()
+    other = StandIn()
+    other.model.name_or_path = "another-model"
+    with pytest.raises(UserError, match=r"another model or other TRL.*model 'stand-in' \(now 'another-model'\)"):
+        attach(other, tmp_path / "s")
+
+
+@pytest.mark.parametrize(("args", "want"), [
+    ({"top_p": 0.9}, {"top_p": 0.9}),
+    ({"top_k": 20, "min_p": 0.05}, {"top_k": 20, "min_p": 0.05}),
+    ({"generation_kwargs": {"repetition_penalty": 1.1}}, {"repetition_penalty": 1.1}),
+])
+def test_sampling_that_truncates_or_penalises_mu_is_warned_about_and_stored(tmp_path, args, want):
+    with pytest.warns(UserWarning, match="truncated or penalised sampling distribution"):
+        attach(StandIn(**args), tmp_path / "s").close()
+    cfg = json.loads(open_store(tmp_path / "s").execute("SELECT config FROM runs").fetchone()[0])
+    assert cfg["mu_processing"] == want
+
+
+def test_neutral_sampling_options_leave_mu_unprocessed(tmp_path, recwarn):
+    attach(StandIn(top_p=1.0, top_k=0, min_p=None, repetition_penalty=1.0, temperature=0.7), tmp_path / "s").close()
+    cfg = json.loads(open_store(tmp_path / "s").execute("SELECT config FROM runs").fetchone()[0])
+    assert cfg["mu_processing"] == {}
+    assert cfg["mu"] == "sampling_per_token_logps (vLLM, logprobs_mode=processed_logprobs)"
+    assert not [w for w in recwarn if "truncated" in str(w.message)]
+
+
+@pytest.mark.parametrize(("client", "mode"), [
+    (types.SimpleNamespace(get_server_info=lambda: {"model_config": {"logprobs_mode": "raw_logprobs"}}), "raw_logprobs"),
+    (types.SimpleNamespace(get_server_info=dict), "unknown"),  # an older server without the field
+    (None, "unknown"),  # a process without the client
+])
+def test_a_vllm_servers_logprobs_mode_is_read_into_the_runs_config(tmp_path, client, mode):
+    trainer = StandIn(vllm_mode="server")
+    trainer.vllm_generation = types.SimpleNamespace(vllm_client=client)
+    attach(trainer, tmp_path / "s").close()
+    cfg = json.loads(open_store(tmp_path / "s").execute("SELECT config FROM runs").fetchone()[0])
+    assert cfg["mu"] == f"sampling_per_token_logps (vLLM, logprobs_mode={mode})"

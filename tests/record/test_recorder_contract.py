@@ -258,3 +258,28 @@ def test_a_dropped_recorder_is_recognised_however_the_store_path_is_spelled(tmp_
     rec.cycle = rec
     del rec
     Recorder(tmp_path / "s", "r", framework="trl").close()
+
+
+def test_drop_steps_after_removes_later_steps_and_with_world_size_those_of_ranks_the_job_lost(tmp_path):
+    store = tmp_path / "s"
+    for rank in (0, 1, 2):
+        with Recorder(store, "r", framework="trl", rank=rank) as rec:
+            for step in (1, 2, 3):
+                rec.log_step(step, *_batch(seed=10 * rank + step))
+    busy = Recorder(store, "r", framework="trl", rank=2)  # rank 2 is live elsewhere: left alone
+    with Recorder(store, "r", framework="trl", rank=1) as rec1:
+        assert rec1.drop_steps_after(2, world_size=1) == [3]  # only rank 0 handles other ranks
+    with Recorder(store, "r", framework="trl") as rec0:
+        with pytest.raises(UserError, match="world_size must be a whole number"):
+            rec0.drop_steps_after(1, world_size=0)
+        with pytest.warns(UserWarning, match=r"rank 2's steps after 1 are kept: another Recorder of rank 2"):
+            assert rec0.drop_steps_after(1, world_size=1) == [2, 3]
+    busy.close()
+    per_rank = "SELECT seq_id >> 20 & 4095 AS rank, list(DISTINCT step ORDER BY step) FROM sequences GROUP BY 1 ORDER BY 1"
+    assert open_store(store).execute(per_rank).fetchall() == [(0, [1]), (1, [1]), (2, [1, 2, 3])]
+    assert shards.run_ranks(store, "r") == [0, 1, 2]
+    with Recorder(store, "r", framework="trl") as rec0:  # afresh: ranks >= 1 hold nothing and lose their rows
+        assert rec0.drop_steps_after(0, world_size=1) == [1, 2, 3]
+    assert shards.run_ranks(store, "r") == [0] and _count(store) == 0
+    with pytest.raises(UserError, match="this Recorder is closed"):
+        rec0.drop_steps_after(0)
