@@ -30,8 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--study",
         type=Path,
         default=None,
-        help="study folder (studies/<name>), .duckdb file or folder of <table>.parquet files; "
-        "default: pick any study under studies/ in the app",
+        help="study folder (studies/<name>), .duckdb file, folder of <table>.parquet files, or the shard store "
+        "of recorded / imported runs; default: pick any study under studies/ in the app",
     )
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"local port (default {DEFAULT_PORT})")
     parser.add_argument("--headless", action="store_true", help="do not open a browser window")
@@ -40,8 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _check_study(study: Path) -> Path:
     if not study.exists():
         raise UserError(
-            f"no study at {study}: pass a study folder (studies/<name>), a .duckdb file or a folder "
-            "of Parquet files; `ls studies/` lists the studies of this checkout"
+            f"no study at {study}: pass a study folder (studies/<name>), a .duckdb file, a folder of Parquet "
+            "files or the shard store of recorded / imported runs; `ls studies/` lists the studies of this checkout"
         )
     if study.is_dir():
         has_data = (
@@ -49,10 +49,10 @@ def _check_study(study: Path) -> Path:
             or is_shard_store(study)
         )
         if not has_data:
-            raise UserError(
-                f"{study} holds no results/*.parquet, *.parquet or *.duckdb: "
-                f"collect into it first (`mismatch-lab collect --study {study}/study.toml`)"
-            )
+            fix = (f"collect into it first (`mismatch-lab collect --study {study}/study.toml`)"
+                   if (study / "study.toml").is_file() else
+                   "pass a study folder, a store, or the --out folder of `mismatch-lab import` / a Recorder's path")
+            raise UserError(f"{study} holds no results/*.parquet, *.parquet, *.duckdb or shard store: {fix}")
     elif study.suffix != ".duckdb":
         raise UserError(f"{study} is a file but not a .duckdb store: pass the .duckdb file or the study folder")
     return study.resolve()

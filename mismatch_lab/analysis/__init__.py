@@ -49,6 +49,32 @@ def _stack(parts: list[tuple[str, str, pd.DataFrame]]) -> pd.DataFrame:
     return out.reindex(columns=columns)
 
 
+LABELS = {
+    "rollout": ("--rollout", "SELECT DISTINCT {rollout} FROM runs"),
+    "scorer": ("--scorer", "SELECT DISTINCT scorer FROM scores"),
+    "run_ids": ("--run-id", "SELECT DISTINCT run_id FROM runs"),
+}
+"""run_all's filters -> (the CLI option, the SQL listing the labels a store holds)."""
+
+
+def check_labels(con: duckdb.DuckDBPyConnection, wanted: dict, flags: bool = False) -> None:
+    """A filter label that matches nothing is a typo, not an empty result: UserError naming what exists.
+    `wanted`: filter name (LABELS) -> a label, a list of them, or None."""
+    from mismatch_lab.analysis.definitions import rollout_label_sql
+    from mismatch_lab.errors import UserError
+
+    for name, value in wanted.items():
+        if not value:
+            continue
+        flag, sql = LABELS[name]
+        have = sorted(str(r[0]) for r in con.execute(sql.format(rollout=rollout_label_sql(None))).fetchall()
+                      if r[0] is not None)
+        unknown = [w for w in ([value] if isinstance(value, str) else value) if w not in have]
+        if unknown:
+            raise UserError(f"{f'{flag} ' if flags else f'{name}='}{', '.join(unknown)} is not in this store; "
+                            f"it holds: {', '.join(have) or 'nothing'}")
+
+
 def run_all(
     con: duckdb.DuckDBPyConnection,
     *,
@@ -57,6 +83,7 @@ def run_all(
     run_ids=None,
     top_n: int = 30,
     progress: Callable[[str, float], None] | None = None,
+    flags: bool = False,
 ) -> dict[str, pd.DataFrame]:
     """Every analysis, one long-form DataFrame per key of ANALYSES:
 
@@ -69,7 +96,10 @@ def run_all(
     * approximation: approximation_table
     * steps:         step_series, one row per (run_id, rollout, scorer, step) of the runs over steps
     The store is joined once (rows.Rows, materialized) and every analysis reads that row set.
-    `progress(name, seconds since the start)` is called after the join and after each analysis."""
+    `progress(name, seconds since the start)` is called after the join and after each analysis. A rollout,
+    scorer or run id the store does not hold is a UserError listing those it holds (named as the CLI's
+    options with `flags`)."""
+    check_labels(con, {"rollout": rollout, "scorer": scorer, "run_ids": run_ids}, flags)
     t0 = time.perf_counter()
     with Rows(con, Filters.make(rollout, scorer, run_ids), materialize=True) as rows:
         if progress is not None:

@@ -51,14 +51,13 @@ def run(args: argparse.Namespace) -> int:
     json_path = json_output(args.json, "analysis.json")
     con = open_store(args.db)
     try:
-        _check_filters(con, args)
         t0 = time.perf_counter()
 
         def progress(name: str, seconds: float) -> None:
             print(f"analyze: {name} done at {seconds:.1f} s", file=sys.stderr, flush=True)
 
         tables = run_all(con, rollout=args.rollout, scorer=args.scorer, run_ids=args.run_ids,
-                         top_n=args.top_n, progress=progress)  # fmt: skip
+                         top_n=args.top_n, progress=progress, flags=True)  # fmt: skip
     finally:
         con.close()
     for name, df in tables.items():
@@ -68,24 +67,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"\nwrote {json_path} ({', '.join(f'{k}: {len(v)} rows' for k, v in tables.items())})")
     print(f"analyze: {time.perf_counter() - t0:.1f} s; definitions and denominators: docs/analysis.md", file=sys.stderr)
     return 0
-
-
-def _check_filters(con, args) -> None:
-    """A label that matches nothing is a typo, not an empty result: name what exists."""
-    from mismatch_lab.analysis.definitions import rollout_label_sql
-
-    checks = (
-        ("--rollout", args.rollout, f"SELECT DISTINCT {rollout_label_sql(None)} FROM runs"),
-        ("--scorer", args.scorer, "SELECT DISTINCT scorer FROM scores"),
-        ("--run-id", args.run_ids, "SELECT DISTINCT run_id FROM runs"),
-    )
-    for flag, wanted, sql in checks:
-        if not wanted:
-            continue
-        have = sorted(str(r[0]) for r in con.execute(sql).fetchall() if r[0] is not None)
-        unknown = [w for w in wanted if w not in have]
-        if unknown:
-            raise UserError(f"{flag} {', '.join(unknown)} is not in this store; it holds: {', '.join(have) or 'nothing'}")
 
 
 def print_table(name: str, df: pd.DataFrame) -> None:

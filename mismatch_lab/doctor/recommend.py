@@ -60,8 +60,10 @@ def fp16(m: Measurements) -> list[dict]:
     if found is None:
         rollout = p.loc[p["rollout"].map(lambda r: _split(r)[1] == "bf16"), "rollout"].iloc[0]
         return [_advice("fp16", "measure a fp16 rollout next to bf16",
-                        f"only bf16 is measured for {rollout}; `mismatch-lab doctor --model M --rollout-dtype fp16 "
-                        f"--trainer-dtype fp16 --db S` adds the comparison the {FP16_PAPER} makes")]
+                        f"only bf16 is measured for {rollout}; `mismatch-lab doctor --model M --rollout-dtype bf16,fp16 "
+                        f"--trainer-dtype bf16,fp16 --db probe.duckdb` measures both rollouts of model M in a probe "
+                        f"store of its own (a new .duckdb file; this machine's engines, not this store's run) and "
+                        f"makes the comparison the {FP16_PAPER} makes")]
     bf, fp = found
     if not (math.isfinite(bf["abs_dp_mean"]) and math.isfinite(fp["abs_dp_mean"])):  # a side without finite rows
         unmeasured = bf if not math.isfinite(bf["abs_dp_mean"]) else fp

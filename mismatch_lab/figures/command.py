@@ -105,6 +105,13 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("name a study (mismatch-lab figures studies/<name>) or pass --all")
     if args.out and len(studies) > 1:
         raise UserError("--out takes a single study")
+    if args.out and Path(args.out).exists() and not Path(args.out).is_dir():
+        raise UserError(f"--out {args.out} exists and is not a directory; pass a new or existing folder")
+    from mismatch_lab.figures.figures import FIGURES
+
+    unknown = sorted(set(args.only or ()) - set(FIGURES))
+    if unknown:
+        raise UserError(f"--only {' '.join(unknown)}: no such figure; the figures are {', '.join(FIGURES)}")
     only = set(args.only) if args.only else None
     t_all = time.perf_counter()
     for study in studies:

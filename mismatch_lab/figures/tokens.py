@@ -254,9 +254,9 @@ def fig4_clipping(con: duckdb.DuckDBPyConnection, rows: Rows | None = None) -> l
     cat = clipping_by_category(con, _rows=rows)
     cat = cat[cat["adv_sign"] == "all"]
     top = top_clipped_tokens(con, d.TOP_N_TOKENS, _rows=rows)
-    if top.empty:
+    clipped = cat.groupby(["rollout", "scorer"])["n_ratio_clip"].sum()  # (top is empty without token ids)
+    if not (clipped > 0).any():
         raise Skip("no token is ratio-clipped in any pair of the collect, recorded and imported runs")
-    clipped = top.groupby(["rollout", "scorer"])["n_ratio_clip"].sum()
     all_pairs = sorted_pairs(cat)
     pairs = [p for p in one_per_rollout(all_pairs, "same") if clipped.get(p, 0) > 0]
     if not pairs:
@@ -285,6 +285,12 @@ def fig4_clipping(con: duckdb.DuckDBPyConnection, rows: Rows | None = None) -> l
         ax_c.legend(fontsize=7)
         ax_c.tick_params(axis="y", labelsize=7)
         t = top[(top["rollout"] == ro) & (top["scorer"] == sc)].sort_values("rank", ascending=False)
+        parts.append(f"{ro}/{sc}: n={int(c['n_tokens'].sum()):,}")
+        if t.empty:  # a run recorded without token ids (token_ids=None): nothing to rank
+            ax_t.text(0.5, 0.5, "no token ids stored for this pair:\nno token strings to rank", ha="center",
+                      va="center", fontsize=8, transform=ax_t.transAxes)
+            ax_t.set_axis_off()
+            continue
         y = np.arange(len(t))
         ax_t.barh(y, t["n_ratio_clip"], color=[CAT_COLORS.get(k, "k") for k in t["category"]])
         ax_t.set_yticks(y, [token_label(s, i) for s, i in zip(t["token_text"], t["token_id"])], fontsize=6)
@@ -294,7 +300,6 @@ def fig4_clipping(con: duckdb.DuckDBPyConnection, rows: Rows | None = None) -> l
         handles = [Patch(color=CAT_COLORS[k], label=k) for k in CATEGORIES if k in set(t["category"])]
         ax_t.legend(handles=handles, fontsize=6, loc="lower right")
         ax_t.tick_params(axis="x", labelsize=7)
-        parts.append(f"{ro}/{sc}: n={int(c['n_tokens'].sum()):,}")
     caption = (
         f"Which sampled tokens PPO's two-sided ratio clip (r ∉ [{d.CLIP_LOW:g}, {d.CLIP_HIGH:g}]) would drop at "
         f"identical weights, against DPPO's binary-TV (|π − μ| > {d.DELTA_TV:g}) and binary-KL (> {d.DELTA_KL:g}) "

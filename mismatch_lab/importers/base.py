@@ -5,6 +5,7 @@ An importer module (see `importers.FORMATS`) provides
 
     FRAMEWORK                      the framework name: the scorer label is '<FRAMEWORK>:<trainer dtype>'
     HELP                           one line for `mismatch-lab import --help`
+    EXPECTED                       what PATH may be, for the error when nothing is found there
     PROBES (optional)              byte strings to look for while the file is hashed (Source.found)
     add_arguments(parser)          its own options
     discover(path, args)           -> Discovery: the source files, the default run name, notes
@@ -181,7 +182,8 @@ class Summary:
             f"  sequences   {s.sequences:,}" + (f" ({s.skipped_samples:,} samples without a loss-mask token not stored)"
                                                 if s.skipped_samples else ""),
             f"  tokens      {n:,} response (loss-mask) tokens",
-            f"  non-finite  {s.nonfinite:,} tokens with log mu or log pi NaN/inf/missing (stored NULL, nonfinite = true)",
+            (f"  non-finite  {s.nonfinite:,} tokens not counted as finite by the analyses: log mu or log pi "
+             "NaN/inf/missing (stored NULL, nonfinite = true) or r = pi/mu overflowing a double (values kept)"),
             f"  mean |log pi - log mu|  {mean}",
             f"  rollout     {self.rollout}    scorer {self.scorer}",
             f"  time        {self.seconds:.1f} s ({rate})",
@@ -206,6 +208,49 @@ def run_row(run_id: str, root: Path, fmt: str, framework: str, args, disc: Disco
     }  # fmt: skip
 
 
+LOOKS_LIKE = {"prime-rl": "prime-rl token export", "slime": "slime dump", "jsonl": "mismatch-lab jsonl file"}
+
+
+def guess_format(path: Path) -> str | None:
+    """The import format (importers.FORMATS) a file or folder looks like, from names and the first 4 kB;
+    None when unclear. Only for the hint of an error: the importers check the format themselves."""
+    if path.is_dir():
+        if (path / "token_exports").is_dir() or any(path.glob("step_*/rank_*.jsonl")) or any(path.glob("rank_*.jsonl")):
+            return "prime-rl"
+        if (path / "train_data").is_dir() or any(path.glob("*.pt")):
+            return "slime"
+        first = next(iter(sorted(path.glob("*.jsonl"))), None)
+        return None if first is None else guess_format(first)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4096)
+    except OSError:
+        return None
+    if path.suffix == ".pt" or head.startswith(b"PK\x03\x04"):  # torch.save writes a zip archive
+        return "slime"
+    return "prime-rl" if b'"inference_logprobs"' in head else "jsonl" if b'"logp_rollout"' in head else None
+
+
+def format_hint(path: Path, fmt: str) -> str:
+    """'; PATH looks like ...: mismatch-lab import <other> ...' when `path` looks like another format."""
+    other = guess_format(path)
+    if other is None or other == fmt:
+        return ""
+    return f"; {path} looks like a {LOOKS_LIKE[other]}: mismatch-lab import {other} {path} --out STORE"
+
+
+def _read(module, fmt: str, src: Source, args):
+    """`module.read(src, args)`, its errors ending in the importer to use where the file looks like
+    another format's (`format_hint`)."""
+    try:
+        yield from module.read(src, args)
+    except UserError as exc:
+        hint = "" if "mismatch-lab import" in str(exc) else format_hint(src.path, fmt)
+        if not hint:
+            raise
+        raise UserError(f"{exc}{hint}") from exc
+
+
 def run_import(fmt: str, module, args, out=None) -> Summary:
     """Import `args.path` with the format module `module` into the store `args.out` (module docstring)."""
     out = out or sys.stdout
@@ -220,7 +265,8 @@ def run_import(fmt: str, module, args, out=None) -> Summary:
         raise UserError(f"no such file or directory: {path}")
     disc = module.discover(path, args)
     if not disc.sources:
-        raise UserError(f"no {fmt} files to import under {path}" + (f" ({'; '.join(disc.notes)})" if disc.notes else ""))
+        raise UserError(f"no {fmt} files to import under {path}" + (f" ({'; '.join(disc.notes)})" if disc.notes else "")
+                        + f"; import {fmt} reads {module.EXPECTED}{format_hint(path, fmt)}")
     run_id = shards.check_name(args.run_name or sanitize_name(disc.run_name))
     texts = TextLookup(_load_tokenizer(args.tokenizer)) if getattr(args, "tokenizer", None) else None
     new_store = not Path(args.out).expanduser().exists()
@@ -271,7 +317,7 @@ def _import_locked(root: Path, run_id: str, fmt: str, module, args, disc: Discov
                 continue
             done.add(key)  # the same bytes twice in one import count once
             stager.start(key)
-            for batch in module.read(src, args):
+            for batch in _read(module, fmt, src, args):
                 if not 0 <= batch.rank < MAX_RANKS:
                     raise UserError(f"{src.path}: rank {batch.rank} outside [0, {1 << RANK_BITS})")
                 k = (batch.step, batch.rank)

@@ -52,6 +52,7 @@ from mismatch_lab.record.flat import FlatBatch
 
 FRAMEWORK = "jsonl"
 HELP = "mismatch-lab's own JSON-lines format, one sequence a line (docs/import.md)"
+EXPECTED = "a .jsonl file, or a folder holding .jsonl files (not its subfolders), one sequence a line (docs/import.md)"
 PYTHON_BATCH = 5000  # lines per batch on the line-by-line path
 STEP_TEXT = f"field 'step' must be an integer in {INT_RANGE}"
 

@@ -41,7 +41,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from mismatch_lab.errors import UserError
-from mismatch_lab.importers.base import Discovery, Source
+from mismatch_lab.importers.base import Discovery, Source, format_hint
 from mismatch_lab.importers.jsonlines import (
     ID_TEXT,
     Problems,
@@ -60,6 +60,7 @@ from mismatch_lab.record.flat import FlatBatch
 
 FRAMEWORK = "prime-rl"
 HELP = "prime-rl token exports (trainer.enable_token_export): <output_dir>/token_exports/step_N/rank_R.jsonl"
+EXPECTED = "<output_dir>/token_exports/step_N/rank_R.jsonl: the output dir, its token_exports folder, a step folder or a file"
 SCHEMA_VERSION = 1
 STEP_DIR = re.compile(r"^step_(\d+)$")
 RANK_FILE = re.compile(r"^rank_(\d+)\.jsonl$")
@@ -109,6 +110,7 @@ def _exports_dir(path: Path) -> Path:
     raise UserError(
         f"no prime-rl token exports under {path}: expected <output_dir>/token_exports/step_N/rank_R.jsonl "
         "(trainer.enable_token_export = true); pass the output dir, the token_exports folder or a step folder"
+        + format_hint(path, FRAMEWORK)
     )
 
 
@@ -120,7 +122,8 @@ def discover(path: Path, args) -> Discovery:
     only: Path | None = None
     if path.is_file():
         if not (RANK_FILE.match(path.name) and STEP_DIR.match(path.parent.name)):
-            raise UserError(f"{path} is not a prime-rl export file: expected .../token_exports/step_N/rank_R.jsonl")
+            raise UserError(f"{path} is not a prime-rl export file: expected .../token_exports/step_N/rank_R.jsonl"
+                            + format_hint(path, FRAMEWORK))
         only, step_dirs, exports = path, [path.parent], path.parent.parent
     elif STEP_DIR.match(path.name):
         step_dirs, exports = [path], path.parent

@@ -45,6 +45,8 @@ from mismatch_lab.record.flat import FlatBatch
 
 FRAMEWORK = "slime"
 HELP = "slime / miles --save-debug-train-data dumps (torch.save pickles; needs --trust-pickle)"
+EXPECTED = ("the .pt train dumps of --save-debug-train-data: <dump dir>/train_data/<rollout_id>[_<rank>].pt, given as "
+            "the dump dir, its train_data folder, or a .pt file")
 FORMAT_VERSION = 2
 PER_TOKEN = ("loss_masks", "rollout_log_probs", "log_probs", "advantages", "entropy")
 

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from mismatch_lab.errors import UserError
+from mismatch_lab.store import shards
 from mismatch_lab.store.reader import STORE_HELP, open_store
 from mismatch_lab.store.schema import TABLES
 
@@ -44,6 +45,10 @@ def export(db_path: str | Path, out_dir: str | Path, *, progress=None) -> dict[s
     src = Path(db_path).expanduser()
     if src.is_dir() and out.resolve() in (src.resolve(), (src / "results").resolve()):
         raise UserError(f"--out {out} is where the source is read from; export into a different folder")
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} exists and is not a directory; pass a new or existing folder")
+    if shards.is_shard_store(out):  # its readers take the shards, never <table>.parquet files beside them
+        raise UserError(f"--out {out} is a shard store (recorded or imported runs); export into another folder")
     con = open_store(src)
     out.mkdir(parents=True, exist_ok=True)
     counts: dict[str, int] = {}

@@ -112,3 +112,15 @@ def test_analyze_reads_a_parquet_results_directory(full_store, tmp_path):
     # the same rows; floats to rounding (DuckDB's parallel sums do not fix the order of additions)
     got, expect = pd.DataFrame(from_parquet["precision"]), pd.DataFrame(from_duckdb["precision"])
     pd.testing.assert_frame_equal(got, expect, rtol=1e-12)
+
+
+def test_run_all_from_python_refuses_labels_the_store_does_not_hold(full_store):
+    from mismatch_lab.analysis import run_all
+    from mismatch_lab.errors import UserError
+    from mismatch_lab.store.reader import open_store
+
+    con = open_store(full_store.path)
+    with pytest.raises(UserError, match=r"^rollout=sglang:bf16 is not in this store; it holds: vllm:bf16, vllm:fp16$"):
+        run_all(con, rollout="sglang:bf16")
+    with pytest.raises(UserError, match=r"^scorer=hf:fp8 is not in this store"):
+        run_all(con, scorer=["hf:fp32", "hf:fp8"])

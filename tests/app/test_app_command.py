@@ -35,14 +35,18 @@ def test_without_a_study_the_app_offers_every_study_of_the_checkout():
     "kind, message",
     [
         ("absent", "no study at"),
-        ("empty folder", "holds no results"),
+        ("empty folder", "holds no results.*or shard store: pass a study folder, a store, or the --out folder of"),
+        ("study without data", r"collect into it first \(`mismatch-lab collect --study .*/study.toml`\)"),
         ("text file", "not a .duckdb store"),
     ],
 )
 def test_a_path_that_is_not_a_store_is_a_user_error(tmp_path, kind, message):
-    path = {"absent": tmp_path / "absent", "empty folder": tmp_path, "text file": tmp_path / "notes.txt"}[kind]
+    path = {"absent": tmp_path / "absent", "empty folder": tmp_path, "text file": tmp_path / "notes.txt",
+            "study without data": tmp_path}[kind]
     if kind == "text file":
         path.write_text("not a store")
+    if kind == "study without data":
+        (path / "study.toml").write_text("[collect]\n")
     with pytest.raises(UserError, match=message):
         app_command.build_command(path, 8501, True)
 

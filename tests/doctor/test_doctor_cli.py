@@ -162,3 +162,25 @@ def test_skipped_prompts_are_not_measured_without_a_collect_run(tmp_path, capsys
     assert needs["skipped_prompts"].startswith("a `collect` run")
     assert "at least 3 training steps with finite scored tokens" in needs["growth"]
     capsys.readouterr()
+
+
+def test_the_fp16_advice_for_a_bf16_only_store_is_a_command_the_cli_takes(store, tmp_path, monkeypatch):
+    import re
+    import shlex
+
+    from mismatch_lab.cli import build_parser
+    from mismatch_lab.errors import UserError
+
+    out = tmp_path / "doctor.json"
+    main(["doctor", "--db", store(Pair(rollout="vllm:bf16", scorer="hf:bf16", pi=0.52)), "--json", str(out)])
+    (fp16,) = [a for a in json.loads(out.read_text())["recommendations"] if a["rule"] == "fp16"]
+    cmd = re.search(r"`mismatch-lab (doctor [^`]+)`", fp16["because"]).group(1).replace(" M ", " default ")
+    args = build_parser().parse_args(shlex.split(cmd))
+    seen = []
+    monkeypatch.setattr("mismatch_lab.collect.collect", lambda cfg, **kw: seen.append(cfg))  # vLLM not started
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError, match="no such file"):  # the stubbed collect wrote no store to judge
+        args._run(args)
+    (cfg,) = seen
+    assert cfg.rollout_dtypes == ["bf16", "fp16"] and cfg.scorer_dtypes == ["bf16", "fp16"]
+    assert cfg.db == "probe.duckdb"

@@ -185,3 +185,20 @@ def test_the_figures_command_on_a_required_columns_store_writes_what_it_can(form
                        "fig4_clipped_tokens", "fig6_training_curves", "fig8_corrections",
                        "fig9_mismatch_over_steps"]  # fmt: skip
     assert all(p.stat().st_size > 1000 for p in out.glob("*.png"))
+
+
+def test_clipping_figure_of_a_run_recorded_without_token_ids_draws_its_categories(tmp_path):
+    """token_ids=None (a loss-function hook): the clipped shares per category are known, the strings not."""
+    from mismatch_lab.figures.tokens import fig4_clipping
+    from mismatch_lab.record import Recorder
+
+    rng = np.random.default_rng(0)
+    lmu = -rng.uniform(0.05, 3.0, (8, 12))
+    lpi = lmu + rng.normal(0, 0.4, lmu.shape)  # |log r| > 0.22 often: many tokens ratio-clipped
+    with Recorder(tmp_path / "s", "noids", framework="verl", rollout_engine="vllm", trainer_dtype="bf16") as rec:
+        rec.log_step(1, None, np.ones_like(lmu, dtype=bool), lmu, lpi, advantages=rng.normal(size=8))
+    [(_stem, fig)] = fig4_clipping(open_store(tmp_path / "s"))
+    ax_cat, ax_tokens = fig.axes[:2]
+    n_clip = int(((lpi - lmu > np.log(1.28)) | (lpi - lmu < np.log(0.8))).sum())
+    assert f"{n_clip:,} of 96 tokens ratio-clipped" in ax_cat.get_title() and n_clip > 10
+    assert [t.get_text() for t in ax_tokens.texts] == ["no token ids stored for this pair:\nno token strings to rank"]

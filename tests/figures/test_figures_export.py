@@ -62,3 +62,20 @@ def test_export_while_a_writer_holds_the_store(figure_store, tmp_path):
         writer.close()
     assert counts == _counts(open_store(figure_store[0])) | {"meta": counts["meta"]}
     assert counts["meta"] >= 1 and counts["tokens"] > 0
+
+
+def test_export_and_figures_refuse_an_out_that_is_a_file_or_a_shard_store(figure_store, figure_study, tmp_path, capsys):
+    from mismatch_lab.store import shards
+
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    shard_store = shards.init_store(tmp_path / "recorded")
+    db = str(figure_store[0])
+    assert main(["export", "--db", db, "--out", str(afile)]) == 2
+    assert "--out" in capsys.readouterr().err and afile.read_text() == "x"
+    assert main(["export", "--db", db, "--out", str(shard_store)]) == 2
+    assert "is a shard store" in capsys.readouterr().err and not list(shard_store.glob("*.parquet"))
+    assert main(["figures", str(figure_study), "--out", str(afile)]) == 2
+    assert "exists and is not a directory" in capsys.readouterr().err
+    assert main(["figures", str(figure_study), "--only", "3", "12"]) == 2
+    assert "--only 12: no such figure; the figures are 1, 2, 3" in capsys.readouterr().err

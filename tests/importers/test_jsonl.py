@@ -110,6 +110,7 @@ def test_summary_counts_an_overflowing_ratio_as_analyze_does(cli, tmp_path):
     store = tmp_path / "store"
     code, out, _ = cli("import", "jsonl", f, "--out", store)
     assert code == 0 and "non-finite  1 tokens" in out and "0.125 over 2 finite tokens" in out
+    assert "or r = pi/mu overflowing a double (values kept)" in out  # the label covers such a row too
     assert [t["nonfinite"] for t in stored(store, "of")[(0, 0, 0)]["tokens"]] == [False, False, False]  # values kept
     from mismatch_lab.analysis.steps import step_series
     from mismatch_lab.store.reader import open_store
