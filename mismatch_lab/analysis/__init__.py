@@ -59,7 +59,7 @@ LABELS = {
 
 def check_labels(con: duckdb.DuckDBPyConnection, wanted: dict, flags: bool = False) -> None:
     """A filter label that matches nothing is a typo, not an empty result: UserError naming what exists.
-    `wanted`: filter name (LABELS) -> a label, a list of them, or None."""
+    `wanted`: filter name (LABELS) -> a label, a list of labels (compared as strings), or None."""
     from mismatch_lab.analysis.definitions import rollout_label_sql
     from mismatch_lab.errors import UserError
 
@@ -69,7 +69,7 @@ def check_labels(con: duckdb.DuckDBPyConnection, wanted: dict, flags: bool = Fal
         flag, sql = LABELS[name]
         have = sorted(str(r[0]) for r in con.execute(sql.format(rollout=rollout_label_sql(None))).fetchall()
                       if r[0] is not None)
-        unknown = [w for w in ([value] if isinstance(value, str) else value) if w not in have]
+        unknown = [str(w) for w in ([value] if isinstance(value, str) else value) if str(w) not in have]
         if unknown:
             raise UserError(f"{f'{flag} ' if flags else f'{name}='}{', '.join(unknown)} is not in this store; "
                             f"it holds: {', '.join(have) or 'nothing'}")
@@ -99,9 +99,10 @@ def run_all(
     `progress(name, seconds since the start)` is called after the join and after each analysis. A rollout,
     scorer or run id the store does not hold is a UserError listing those it holds (named as the CLI's
     options with `flags`)."""
-    check_labels(con, {"rollout": rollout, "scorer": scorer, "run_ids": run_ids}, flags)
+    filters = Filters.make(rollout, scorer, run_ids)  # lists, once (a generator is read here only)
+    check_labels(con, {"rollout": filters.rollout, "scorer": filters.scorer, "run_ids": filters.run_ids}, flags)
     t0 = time.perf_counter()
-    with Rows(con, Filters.make(rollout, scorer, run_ids), materialize=True) as rows:
+    with Rows(con, filters, materialize=True) as rows:
         if progress is not None:
             progress("join", time.perf_counter() - t0)
         r = {"_rows": rows}

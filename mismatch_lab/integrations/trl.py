@@ -12,9 +12,10 @@ What is recorded (written for TRL 1.16; `GRPOTrainer._generate_and_score_complet
                        colocated engine with logprobs_mode="processed_logprobs" (after temperature,
                        penalties and top-k/top-p/min-p truncation) and warns when a vLLM server runs with
                        another mode (attach reads the server's into runs.config.mu). π is the trainer's
-                       softmax at the same temperature without truncation or penalties: with top_p < 1,
-                       top_k, min_p or a penalty set, μ and π are different distributions even with
-                       identical numerics (attach warns; runs.config.mu_processing names the options).
+                       softmax at args.temperature without truncation, penalties or masks: with any
+                       option of MU_NEUTRAL set (top_p < 1, top_k, min_p, a penalty, a grammar, ...), μ and
+                       π are different distributions even with identical numerics (attach warns;
+                       runs.config.mu_processing names the options).
   scores.logp          π = `old_per_token_logps`: the trainer's no-grad forward at the weights that
                        generated the batch (scorer '<framework>:<trainer dtype>', e.g. 'trl:fp32').
   tokens               `completion_ids` where `completion_mask` (times `tool_mask` in tool-calling runs) is
@@ -39,7 +40,7 @@ that step (its parts), and TRL's logged metric is then the mean of the batches' 
 metric TRL replaces rather than appends to (`num_tokens`, a running total): TRL logs the last batch's
 value, the store holds each batch's and its per-step series averages them. Evaluation batches are not
 recorded. A second `train()` of the same trainer needs a new `attach` (the first Recorder closed when
-its call ended); a job resumed from a checkpoint at step s removes the steps recorded after s (rank 0
+its call ended; a plain second call counts from step 0 again and so replaces the first's steps); a job resumed from a checkpoint at step s removes the steps recorded after s (rank 0
 also those of ranks the resumed job no longer has: `Recorder.drop_steps_after`).
 
 Per-step mean |log π − log μ| over the stored finite token rows equals TRL's
@@ -115,7 +116,8 @@ def attach(trainer, path: str | Path, **recorder_kwargs) -> Recorder:
         raise UserError(f"every must be at least 1, got {every}")
     config["every_generated_batches"] = every
     run_name = kwargs.pop("run_name", None) or _default_run_name(trainer.args)
-    _check_same_experiment(Path(path).expanduser(), run_name, config["trl"], every, kwargs.get("model"))
+    model = kwargs.get("model")
+    _check_same_experiment(Path(path).expanduser(), run_name, config["trl"], every, None if model is None else str(model))
     _warn_truncated(config)
     recorder = Recorder(path, run_name, config=config, **kwargs)
     hook = getattr(trainer, "_mismatch_lab_hook", None)
@@ -189,22 +191,29 @@ def _rollout_dtype(trainer) -> str | None:
         return None
 
 
-MU_NEUTRAL = {"top_p": 1.0, "top_k": (0, -1, None), "min_p": (0.0, None), "repetition_penalty": 1.0,
-              "presence_penalty": 0.0, "frequency_penalty": 0.0}
-"""vLLM sampling options -> their value(s) that leave the distribution alone. Any other value changes vLLM's
-processed log-probs (μ) but not the trainer's tempered softmax (π): top-k/top-p/min-p renormalise μ over the
-kept tokens (log μ − log π = −log of the kept mass, ≥ 0, with identical numerics), penalties shift logits."""
+MU_NEUTRAL = {"top_p": (1.0,), "top_k": (0, -1), "min_p": (0.0,), "repetition_penalty": (1.0,),
+              "presence_penalty": (0.0,), "frequency_penalty": (0.0,), "min_tokens": (0,), "logit_bias": ({},),
+              "bad_words": ([],), "allowed_token_ids": ([],), "structured_outputs": ({},),
+              "vllm_structured_outputs_regex": ("",)}
+"""vLLM sampling options (GRPOConfig fields or generation_kwargs keys) -> the values (besides None) that
+leave the distribution alone. Any other value changes vLLM's processed log-probs (μ) but not the
+trainer's tempered softmax (π): top-k/top-p/min-p renormalise μ over the kept tokens (log μ − log π =
+−log of the kept mass, ≥ 0, with identical numerics), penalties and logit biases shift logits, min_tokens,
+bad words, allowed ids and structured outputs (a grammar) mask tokens."""
 
 
 def _mu_processing(args) -> dict:
     """The sampling options of `args` (GRPOConfig, its generation_kwargs overriding) that make μ another
-    distribution than π (MU_NEUTRAL): name -> value, empty when μ and π share their definition."""
+    distribution than π (MU_NEUTRAL; a generation_kwargs temperature other than args.temperature, which π
+    uses, too): name -> value, empty when μ and π share their definition."""
     extra = args.generation_kwargs if isinstance(getattr(args, "generation_kwargs", None), dict) else {}
     out = {}
     for name, neutral in MU_NEUTRAL.items():
         value = extra.get(name, getattr(args, name, None))
-        if value not in (neutral if isinstance(neutral, tuple) else (neutral, None)):
+        if value is not None and value not in neutral:
             out[name] = value
+    if "temperature" in extra and extra["temperature"] != getattr(args, "temperature", 1.0):
+        out["temperature"] = extra["temperature"]  # vLLM samples at it, π is computed at args.temperature
     return out
 
 
@@ -223,8 +232,8 @@ def _logprobs_mode(trainer) -> str:
         return "processed_logprobs"
     try:
         return str(trainer.vllm_generation.vllm_client.get_server_info()["model_config"]["logprobs_mode"])
-    except (AttributeError, KeyError, TypeError, ValueError, OSError):  # no client on this process, an older
-        # server, no connection (requests' errors are OSErrors)
+    except Exception:  # noqa: BLE001 -- no client on this process, an older server, no connection, an error
+        # status (TRL's client raises a bare Exception): the mode is then not known, which is what we store
         return "unknown"
 
 

@@ -444,7 +444,7 @@ def _train_in(cfg: TrainConfig, writer, run_id: str, tokenizer, model_ctx, model
     if start or redone:
         print(f"{run_id}: resuming after step {start} (checkpoint {ckpt_path if start else 'none'}); "
               f"{redone} committed step(s) after it are redone", file=sys.stderr)
-    engine = None  # built inside the try: an interrupt during vLLM's start-up still closes what it started
+    engine = None  # built inside the try: an interrupt or failure of the engine's start-up still marks the run
     try:
         engine = make_engine("vllm", model_path, cfg.rollout_dtype, seed=cfg.seed,
                              max_model_len=min(2048, model_ctx or 2048), kv_cache_bytes=cfg.kv_cache_mb << 20,
@@ -469,7 +469,6 @@ def _train_in(cfg: TrainConfig, writer, run_id: str, tokenizer, model_ctx, model
     finally:
         if engine is not None:
             engine.close()
-    return run_id
     return run_id
 
 

@@ -124,3 +124,5 @@ def test_run_all_from_python_refuses_labels_the_store_does_not_hold(full_store):
         run_all(con, rollout="sglang:bf16")
     with pytest.raises(UserError, match=r"^scorer=hf:fp8 is not in this store"):
         run_all(con, scorer=["hf:fp32", "hf:fp8"])
+    tables = run_all(con, rollout=(r for r in ["vllm:bf16"]))  # any iterable, read once
+    assert set(tables["precision"]["rollout"]) == {"vllm:bf16"}

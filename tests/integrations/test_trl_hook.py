@@ -55,8 +55,11 @@ class StandIn:
                 "sampling_per_token_logps": torch.full((B, T), -1.0), "old_per_token_logps": torch.full((B, T), -1.5),
                 "advantages": torch.linspace(-1, 1, B)}
 
-    def train(self, max_steps):
+    def train(self, max_steps, resume_from=None):
+        """As transformers' Trainer.train: the step count starts at 0 again, or at the checkpoint's step
+        (`resume_from_checkpoint`); TRL's micro-step counter `_step` carries on."""
         a = self.args
+        self.state.global_step = resume_from or 0
         while self.state.global_step < max_steps:
             for _ in range(a.gradient_accumulation_steps):
                 if self._step % (a.steps_per_generation * a.num_iterations) == 0:
@@ -109,11 +112,10 @@ def test_a_run_resumed_from_a_checkpoint_replaces_the_steps_recorded_after_it(tm
     first = StandIn()
     attach(first, tmp_path / "s")
     first.train(6)
-    resumed = StandIn()
-    resumed.state.global_step = 3  # TRL restores global_step, not its micro-step counter
+    resumed = StandIn()  # a new process: TRL restores global_step, not its micro-step counter
     attach(resumed, tmp_path / "s")
     with pytest.warns(UserWarning, match=r"removed 3 step\(s\) recorded after it before \(4..6\)"):
-        resumed.train(5)
+        resumed.train(5, resume_from=3)
     con = open_store(tmp_path / "s")
     assert _steps(tmp_path / "s") == [1, 2, 3, 4, 5]
     assert con.execute("SELECT step, count(*) FROM sequences GROUP BY step ORDER BY step").fetchall() \
@@ -132,18 +134,23 @@ def test_another_experiment_under_the_same_run_name_is_refused(tmp_path):
 
 
 def test_a_second_train_call_of_the_same_trainer_records_through_a_new_attach(tmp_path):
-    """A notebook resumes the same trainer object after its first train() ended: attach again, and the
-    second call is recorded once per batch (the wrappers are not stacked)."""
+    """A notebook trains the same trainer object again after its first train() ended: attach again. Resumed
+    from the checkpoint of step 3 the call continues the run; a plain train() counts from step 0 again and
+    replaces what the first call recorded, like any run started afresh under the same name. Each batch is
+    recorded once (the wrappers are not stacked)."""
+    per_step = "SELECT step, count(*) FROM sequences GROUP BY step ORDER BY step"
     trainer = StandIn()
     first = attach(trainer, tmp_path / "s")
     trainer.train(3)
     assert first.closed
     second = attach(trainer, tmp_path / "s")
-    trainer.train(5)
-    assert second.closed and _steps(tmp_path / "s") == [1, 2, 3, 4, 5]
+    trainer.train(5, resume_from=3)
+    assert second.closed and open_store(tmp_path / "s").execute(per_step).fetchall() == [(s, 4) for s in range(1, 6)]
+    attach(trainer, tmp_path / "s")
+    with pytest.warns(UserWarning, match=r"training starts after step 0: removed 5 step\(s\)"):
+        trainer.train(2)
     con = open_store(tmp_path / "s")
-    assert con.execute("SELECT step, count(*) FROM sequences GROUP BY step ORDER BY step").fetchall() \
-        == [(s, 4) for s in range(1, 6)]
+    assert con.execute(per_step).fetchall() == [(1, 4), (2, 4)]
     assert con.execute("SELECT status FROM runs").fetchone()[0] == "complete"
 
 
@@ -159,10 +166,9 @@ def test_a_job_resumed_on_fewer_processes_drops_the_later_steps_of_the_ranks_it_
         trainer.train(4)
     assert [n for _, n in _ranks_by_step(store)] == [2, 2, 2, 2]
     resumed = StandIn(rank=0, world=1)
-    resumed.state.global_step = 2
     attach(resumed, store)
     with pytest.warns(UserWarning, match=r"removed 2 step\(s\) recorded after it before \(3..4\)"):
-        resumed.train(4)
+        resumed.train(4, resume_from=2)
     assert _ranks_by_step(store) == [(1, 2), (2, 2), (3, 1), (4, 1)]  # rank 1 keeps only what the checkpoint covers
     con = open_store(store)
     assert con.execute("SELECT status, n_ranks FROM runs").fetchone() == ("complete", 2)
@@ -175,17 +181,24 @@ def test_a_job_resumed_on_fewer_processes_drops_the_later_steps_of_the_ranks_it_
 
 
 def test_another_model_under_the_same_run_name_is_refused(tmp_path):
-    attach(StandIn(), tmp_path / "s").close()
+    from pathlib import Path
+
+    attach(StandIn(), tmp_path / "s", model=Path("models/qwen")).close()
+    attach(StandIn(), tmp_path / "s", model="models/qwen").close()  # the same model, however it is spelled
+    attach(StandIn(), tmp_path / "other").close()
     other = StandIn()
     other.model.name_or_path = "another-model"
     with pytest.raises(UserError, match=r"another model or other TRL.*model 'stand-in' \(now 'another-model'\)"):
-        attach(other, tmp_path / "s")
+        attach(other, tmp_path / "other")
 
 
 @pytest.mark.parametrize(("args", "want"), [
     ({"top_p": 0.9}, {"top_p": 0.9}),
     ({"top_k": 20, "min_p": 0.05}, {"top_k": 20, "min_p": 0.05}),
     ({"generation_kwargs": {"repetition_penalty": 1.1}}, {"repetition_penalty": 1.1}),
+    ({"vllm_structured_outputs_regex": "[0-9]+", "generation_kwargs": {"min_tokens": 4, "logit_bias": {"7": 2.0}}},
+     {"vllm_structured_outputs_regex": "[0-9]+", "min_tokens": 4, "logit_bias": {"7": 2.0}}),
+    ({"temperature": 0.7, "generation_kwargs": {"temperature": 1.0}}, {"temperature": 1.0}),  # π at 0.7, μ at 1.0
 ])
 def test_sampling_that_truncates_or_penalises_mu_is_warned_about_and_stored(tmp_path, args, want):
     with pytest.warns(UserWarning, match="truncated or penalised sampling distribution"):
@@ -195,7 +208,9 @@ def test_sampling_that_truncates_or_penalises_mu_is_warned_about_and_stored(tmp_
 
 
 def test_neutral_sampling_options_leave_mu_unprocessed(tmp_path, recwarn):
-    attach(StandIn(top_p=1.0, top_k=0, min_p=None, repetition_penalty=1.0, temperature=0.7), tmp_path / "s").close()
+    attach(StandIn(top_p=1.0, top_k=0, min_p=None, repetition_penalty=1.0, temperature=0.7,
+                   vllm_structured_outputs_regex=None, generation_kwargs={"temperature": 0.7, "min_tokens": 0}),
+           tmp_path / "s").close()
     cfg = json.loads(open_store(tmp_path / "s").execute("SELECT config FROM runs").fetchone()[0])
     assert cfg["mu_processing"] == {}
     assert cfg["mu"] == "sampling_per_token_logps (vLLM, logprobs_mode=processed_logprobs)"
