@@ -6,18 +6,10 @@ from __future__ import annotations
 import pytest
 
 from mismatch_lab.collect.memory import GiB, Shapes, Workload, plan_memory
+from mismatch_lab.collect.real_shapes import REAL_SHAPES
 from mismatch_lab.errors import UserError
 
-LLAMA_8B = {  # Llama-3.1-8B config.json (the fields the plan reads)
-    "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "num_hidden_layers": 32,
-    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 14336,
-    "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False, "max_position_embeddings": 131072,
-}
-QWEN_1_5B = {  # Qwen2.5-1.5B config.json: tied embeddings, bias on q/k/v
-    "model_type": "qwen2", "vocab_size": 151936, "hidden_size": 1536, "num_hidden_layers": 28,
-    "num_attention_heads": 12, "num_key_value_heads": 2, "intermediate_size": 8960, "tie_word_embeddings": True,
-    "max_position_embeddings": 131072,
-}
+LLAMA_8B, QWEN_1_5B = REAL_SHAPES["llama-3.1-8b"], REAL_SHAPES["qwen2.5-1.5b"]
 
 
 def test_parameter_counts_of_real_shapes_match_the_hand_computed_and_published_ones():
@@ -38,7 +30,7 @@ def test_parameter_counts_of_real_shapes_match_the_hand_computed_and_published_o
     assert s15.kv_bytes_per_token("fp32") == 2 * 28 * 2 * 128 * 4 == 57_344
 
 
-@pytest.mark.parametrize("config", [LLAMA_8B, QWEN_1_5B], ids=["llama-8b", "qwen-1.5b"])
+@pytest.mark.parametrize("config", list(REAL_SHAPES.values()), ids=list(REAL_SHAPES))
 def test_the_plans_count_equals_the_real_architecture_built_on_the_meta_device(config):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
