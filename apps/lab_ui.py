@@ -48,6 +48,7 @@ from mismatch_lab.analysis import browse, clipping, definitions, precision, vola
 from mismatch_lab.doctor.report import doctor_table
 from mismatch_lab.errors import UserError
 from mismatch_lab.store.reader import open_store
+from mismatch_lab.store.shards import is_shard_store
 
 APP_DIR = Path(__file__).resolve().parent
 REPO = APP_DIR.parent
@@ -105,7 +106,8 @@ def sidebar_store_picker() -> None:
         options,
         key="store_path",
         format_func=store_label,
-        help="A study folder (its results/ Parquet), a .duckdb file or a Parquet folder.",
+        help="A study folder (its results/ Parquet), a .duckdb file, a Parquet folder, or the shard store of "
+        "recorded / imported runs.",
     )
     if st.sidebar.button("Reload data", help=f"Data is re-read by itself {TTL_S // 60} min after it was read."):
         st.cache_data.clear()
@@ -482,6 +484,7 @@ def studies_table() -> pd.DataFrame:
             {
                 "study": d.name,
                 "path": store_label(path),
+                "shard store": is_shard_store(p),  # recorded / imported runs: Parquet shards per run and step
                 "parquet tables": len(list((d / "results").glob("*.parquet")))
                 if (d / "results").is_dir()
                 else len(list(p.glob("*.parquet")))
@@ -509,7 +512,8 @@ def line_chart(data: pd.DataFrame, x: str, y: str, color: str, *, x_title: str, 
             y=alt.Y(f"{y}:Q", title=y_title),
             # past ten lines the default ten-colour scheme repeats: twenty colours (the stability study has 11 runs)
             color=alt.Color(f"{color}:N", title=color,
-                            scale=alt.Scale(scheme="tableau20" if data[color].nunique() > 10 else "tableau10")),
+                            scale=alt.Scale(scheme="tableau20" if data[color].nunique() > 10 else "tableau10"),
+                            legend=alt.Legend(labelLimit=0)),  # whole labels: pairs may differ only at the end
             tooltip=[alt.Tooltip(f"{x}:Q"), alt.Tooltip(f"{y}:Q", format=".4g"), alt.Tooltip(f"{color}:N")],
         )
     )

@@ -10,7 +10,8 @@ SIGNS = {"all": "all tokens (two-sided)", "positive": "positive advantage", "neg
 
 st.title("Clipping")
 st.caption(
-    f"Before any update π_θ = π_old, so every drop below is numerical disagreement alone. "
+    f"Before any update π_θ = π_old: for collect runs and on-policy training every drop below is numerical "
+    f"disagreement alone (an asynchronous or off-policy run's μ may also come from an older policy). "
     f"PPO clip: r = π/μ outside [1 − {definitions.EPS_LOW}, 1 + {definitions.EPS_HIGH}]; DPPO mask: "
     f"binary TV |π − μ| > {definitions.DELTA_TV}. With an advantage sign, only a move in the "
     f"advantage's direction counts, as in the losses. Shares are over finite tokens of each group."
@@ -89,11 +90,13 @@ else:
         "Token strings ranked by how often PPO's ratio clip (two-sided) drops them; shares are over all "
         "finite occurrences of the string."
     )
-    st.dataframe(
-        top.drop(columns=["rollout", "scorer"]),
+    st.dataframe(  # quoted strings: a space, a newline or an indentation token is visible
+        top.drop(columns=["rollout", "scorer"]).assign(
+            token_text=[lab_ui.token_label(t, i) for t, i in zip(top["token_text"], top["token_id"])]),
         hide_index=True,
         column_config={
-            "token_text": st.column_config.TextColumn("token"),
+            "token_text": st.column_config.TextColumn("token", help="the token's string, quoted; its id where "
+                                                      "the store holds no text"),
             "frac_ratio_clip": st.column_config.NumberColumn("PPO clip share", format="%.3f"),
             "frac_tv_mask": st.column_config.NumberColumn("DPPO mask share", format="%.3f"),
         },

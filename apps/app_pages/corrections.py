@@ -147,7 +147,12 @@ m = st.columns(4)
 m[0].metric("Finite tokens", f"{n_tokens:,}", help="the denominator of every token share (the whole pair)")
 m[1].metric("Sequences", f"{n_seqs:,}", help="the denominator of the share of sequences dropped")
 m[2].metric("Non-finite tokens", f"{int(here['n_nonfinite'].max()):,}", help="left out of every rule, never zeroed")
-m[3].metric("Advantage", here["advantage_source"].iloc[0])
+SOURCES = {"advantage": "stored", "reward minus group mean": "derived"}  # else as named: none (two-sided)
+source = here["advantage_source"].iloc[0]
+m[3].metric("Advantage", " + ".join(SOURCES.get(s, s) for s in source.split(" + ")),
+            help=f"where the rules' advantage comes from ({source}): stored = sequences.advantage; derived = the "
+                 "reward minus the mean reward of the prompt group (same run, step and prompt id), for sequences "
+                 "without a stored one; none (two-sided) = neither, the rules then act on both sides.")
 
 # ---- methods × shares -------------------------------------------------------------------------------------
 st.subheader("What each method does to these tokens")
@@ -159,6 +164,7 @@ order = drawn["method"].tolist()
 bars = drawn.melt(id_vars=["method", "axis"], value_vars=list(SHARES), var_name="share", value_name="value")
 bars["share"] = bars["share"].map(SHARES)
 left, right = st.columns([3, 1])
+height = max(len(order), 1) * len(SHARES) * 14  # one height for both charts: each method's row lines up
 left.altair_chart(
     alt.Chart(bars.dropna(subset=["value"]))
     .mark_bar()
@@ -168,17 +174,17 @@ left.altair_chart(
         x=alt.X("value:Q", title="share", axis=alt.Axis(format="%")),
         color=alt.Color("share:N", sort=list(SHARES.values()), title=None, legend=alt.Legend(orient="top")),
         tooltip=["method", "axis", "share", alt.Tooltip("value:Q", format=".3%")],
-    ),
+    ).properties(height=height),
     width="stretch",
 )
 right.altair_chart(
     alt.Chart(drawn.dropna(subset=["ess"]))
     .mark_point(filled=True, color="black")
     .encode(
-        y=alt.Y("method:N", sort=order, title=None, axis=alt.Axis(labels=False)),
+        y=alt.Y("method:N", sort=order, title=None, scale=alt.Scale(domain=order)),  # labelled: each dot names its method
         x=alt.X("ess:Q", title="ESS of kept weights", scale=alt.Scale(zero=False)),
         tooltip=["method", alt.Tooltip("ess:Q", format=".4f"), alt.Tooltip("weight_mean:Q", format=".4f")],
-    ),
+    ).properties(height=height),
     width="stretch",
 )
 shown = view[["method", "axis", "level", *SHARES, "ess", "weight_mean", "weight_max", "n_tokens", "n_seqs",

@@ -97,10 +97,16 @@ if pd.isna(seq.reward):
     m[3].metric("Reward", "—", help="No reward recorded: collect runs have none.")
 else:
     m[3].metric("Reward", f"{seq.reward:.3g}")
+# the advantage the masks below read: the stored one, else reward − the group's mean reward (browse docstring)
+used = tokens["advantage"].dropna()
+advantage = used.iloc[0] if len(used) else float("nan")
+derived = pd.isna(seq.advantage) and not pd.isna(advantage)
 m[4].metric(
-    "Advantage",
-    "—" if pd.isna(seq.advantage) else f"{seq.advantage:.3g}",
-    help="PPO's clip and DPPO's mask act in the advantage's direction; without one, on either side.",
+    "Advantage" + (" (derived)" if derived else ""),
+    "—" if pd.isna(advantage) else f"{advantage:.3g}",
+    help="PPO's clip and DPPO's mask act in the advantage's direction; without one, on either side."
+    + (" None is stored for this sequence: this is its reward minus the mean reward of its prompt group "
+       "(same step and prompt id), the advantage the masks use." if derived else ""),
 )
 if pd.isna(seq.reward) and pd.isna(seq.advantage):
     st.caption("This sequence carries no reward or advantage (collect runs have none).")
@@ -194,7 +200,7 @@ st.dataframe(
 
 topk = lab_ui.query(browse.token_topk, run_id, seq_id, int(pos))
 if topk.empty:
-    st.info("No top-K stored for this token: the run was collected without top-K.")
+    st.info("No top-K stored for this token: the run was collected, recorded or imported without top-K lists.")
 else:
     lists = list(dict.fromkeys(topk["list"]))
     tabs = st.tabs([f"top-K of {name}" for name in lists])

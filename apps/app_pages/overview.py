@@ -18,11 +18,12 @@ path = lab_ui.store()
 runs = lab_ui.query(browse.list_runs)
 st.subheader("Runs")
 if runs.empty:
-    st.info("This study has no runs yet. Collect one with `mismatch-lab collect --study studies/<name>/study.toml`.")
+    st.info("This study has no runs yet. Collect one with `mismatch-lab collect --study studies/<name>/study.toml`, "
+            "or bring a training run in with `mismatch-lab import` or the Recorder.")
     st.stop()
 
 m = st.columns(4)
-m[0].metric("Runs", len(runs), help="collect and train runs")
+m[0].metric("Runs", len(runs), help="every run of the store: collect, train, recorded and imported")
 m[1].metric("Sequences", f"{int(runs['n_sequences'].sum()):,}")
 m[2].metric("Tokens", f"{int(runs['n_tokens'].sum()):,}", help="generated tokens (one per response position)")
 m[3].metric(
@@ -74,4 +75,5 @@ with st.expander("Doctor: verdicts against the frameworks' published bands", exp
     else:
         counts = verdicts["verdict"].value_counts()
         st.caption(" · ".join(f"{v}: {int(counts.get(v, 0))}" for v in ("ok", "warn", "fail")))
-        st.table(verdicts.assign(value=verdicts["value"].map(lambda v: f"{v:.3g}")))
+        # a dataframe, not st.table: that renders cells as Markdown, and a band ">= 0.3 ok" became a quote
+        st.dataframe(verdicts.assign(value=verdicts["value"].map(lambda v: f"{v:.3g}")), hide_index=True)

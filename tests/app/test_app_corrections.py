@@ -86,7 +86,8 @@ def test_the_page_shows_every_method_with_its_shares_framework_and_parameters(mo
         assert shown.set_index("method").loc["geo_mis", "params"] == "low=0.999, high=1.001"
         metrics = {m.label: m.value for m in at.metric}
         assert metrics["Finite tokens"] == f"{int(want['n_tokens'].max()):,}"
-        assert metrics["Advantage"] == want["advantage_source"].iloc[0]
+        short = {"advantage": "stored", "reward minus group mean": "derived"}  # shown short, named in full in the help
+        assert metrics["Advantage"] == " + ".join(short.get(x, x) for x in want["advantage_source"].iloc[0].split(" + "))
     # vllm:bf16 -> hf:fp32 mixes the collect run (top-K) with the training runs (none): top-K rules are not computed
     assert "Not computed for this pair (needs top-K" in texts(at.caption)
     assert np.isnan(methods_table(at).set_index("method").loc["dppo_topk_tv", "frac_tokens_masked"])

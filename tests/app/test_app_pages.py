@@ -56,8 +56,9 @@ def test_overview_lists_studies_runs_and_the_precision_table(monkeypatch, full_s
     at = start(monkeypatch, full_store)  # the default page
     assert [t.value for t in at.title] == ["Overview"]
     assert [s.value for s in at.subheader] == ["Studies", "Runs", "Precision table"]
-    studies, runs, precision = (d.value for d in at.dataframe)
-    assert studies["open"].sum() == 1
+    studies, runs, precision, doctor = (d.value for d in at.dataframe)  # the doctor's verdicts: a dataframe too
+    assert studies["open"].sum() == 1 and not studies["shard store"].any()
+    assert {"check", "pair", "value", "band", "verdict"} <= set(doctor.columns)
     assert sorted(runs["run_id"]) == ["collect-hf-fp16", "collect-vllm-bf16", "train-dppo", "train-grpo"]
     assert {"model", "rollout", "scorers", "weights_sha256", "n_tokens", "status"} <= set(runs.columns)
     assert sorted(zip(precision["rollout"], precision["scorer"])) == [
