@@ -163,30 +163,22 @@ drawn = view[view["note"] == ""]
 order = drawn["method"].tolist()
 bars = drawn.melt(id_vars=["method", "axis"], value_vars=list(SHARES), var_name="share", value_name="value")
 bars["share"] = bars["share"].map(SHARES)
-left, right = st.columns([3, 1])
-height = max(len(order), 1) * len(SHARES) * 14  # one height for both charts: each method's row lines up
-left.altair_chart(
-    alt.Chart(bars.dropna(subset=["value"]))
-    .mark_bar()
-    .encode(
-        y=alt.Y("method:N", sort=order, title="method"),
-        yOffset=alt.YOffset("share:N", sort=list(SHARES.values())),
-        x=alt.X("value:Q", title="share", axis=alt.Axis(format="%")),
-        color=alt.Color("share:N", sort=list(SHARES.values()), title=None, legend=alt.Legend(orient="top")),
-        tooltip=["method", "axis", "share", alt.Tooltip("value:Q", format=".3%")],
-    ).properties(height=height),
-    width="stretch",
-)
-right.altair_chart(
-    alt.Chart(drawn.dropna(subset=["ess"]))
-    .mark_point(filled=True, color="black")
-    .encode(
-        y=alt.Y("method:N", sort=order, title=None, scale=alt.Scale(domain=order)),  # labelled: each dot names its method
-        x=alt.X("ess:Q", title="ESS of kept weights", scale=alt.Scale(zero=False)),
-        tooltip=["method", alt.Tooltip("ess:Q", format=".4f"), alt.Tooltip("weight_mean:Q", format=".4f")],
-    ).properties(height=height),
-    width="stretch",
-)
+height = max(len(order), 1) * len(SHARES) * 14
+y = alt.Y("method:N", sort=order, title="method", scale=alt.Scale(domain=order))
+shares_chart = alt.Chart(bars.dropna(subset=["value"])).mark_bar().encode(
+    y=y,
+    yOffset=alt.YOffset("share:N", sort=list(SHARES.values())),
+    x=alt.X("value:Q", title="share", axis=alt.Axis(format="%")),
+    color=alt.Color("share:N", sort=list(SHARES.values()), title=None, legend=alt.Legend(orient="bottom")),
+    tooltip=["method", "axis", "share", alt.Tooltip("value:Q", format=".3%")],
+).properties(height=height, width=520)
+ess_chart = alt.Chart(drawn.dropna(subset=["ess"])).mark_point(filled=True, color="black").encode(
+    y=y,
+    x=alt.X("ess:Q", title="ESS of kept weights", scale=alt.Scale(zero=False)),
+    tooltip=["method", alt.Tooltip("ess:Q", format=".4f"), alt.Tooltip("weight_mean:Q", format=".4f")],
+).properties(height=height, width=160)
+# one chart, one y scale: each method's ESS dot sits on its row of bars
+st.altair_chart(alt.hconcat(shares_chart, ess_chart).resolve_scale(y="shared"))
 shown = view[["method", "axis", "level", *SHARES, "ess", "weight_mean", "weight_max", "n_tokens", "n_seqs",
               "framework", "params", "source", "note"]]  # fmt: skip
 pct = {k: st.column_config.NumberColumn(v, format="percent") for k, v in SHARES.items()}
