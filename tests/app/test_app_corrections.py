@@ -4,6 +4,8 @@ method drops, the page's click-through to the token inspector) checked against t
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -73,7 +75,10 @@ def test_the_page_shows_every_method_with_its_shares_framework_and_parameters(mo
     assert [t.value for t in at.title] == ["Corrections"]
     assert [s.value for s in at.subheader] == ["What each method does to these tokens", "Tokens a method drops"]
     assert at.selectbox(key="corr_pair").options == ["hf:fp16 → hf:fp32", "vllm:bf16 → hf:bf16", "vllm:bf16 → hf:fp32"]
-    assert len(at.get("vega_lite_chart")) == 2  # shares as bars, ESS as points
+    (chart,) = at.get("vega_lite_chart")  # shares as bars beside ESS as points, one y scale: rows line up
+    spec = json.loads(chart.proto.spec)
+    assert [v["mark"]["type"] for v in spec["hconcat"]] == ["bar", "point"]
+    assert spec["resolve"]["scale"]["y"] == "shared"
     for i, (rollout, scorer) in enumerate([("hf:fp16", "hf:fp32"), ("vllm:bf16", "hf:bf16"), ("vllm:bf16", "hf:fp32")]):
         if i:
             at.selectbox(key="corr_pair").set_value(i)
