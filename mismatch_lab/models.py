@@ -170,12 +170,13 @@ def _convert_gguf(gguf_path: Path, out: Path, say) -> None:
     tmp_out.rename(out)
 
 
-def resolve_model(spec: str | None, *, prepare: bool = True) -> str:
+def resolve_model(spec: str | None, *, prepare: bool = True, weights: bool = True) -> str:
     """Turn a `--model` value into something both engines can load.
 
     `None` or 'default' -> the embedded model (prepared on first use); 'default-bf16grid' -> the embedded
     model rounded onto the bf16 grid (prepared on first use); an existing directory -> itself (must hold
-    config.json and weights); anything else -> a hub id, returned unchanged (needs network).
+    config.json and weights; without `weights`, config.json is enough: a memory plan before the weights
+    exist); anything else -> a hub id, returned unchanged (needs network).
     """
     for grid in GRIDS:
         if spec == grid_alias(grid):
@@ -198,7 +199,7 @@ def resolve_model(spec: str | None, *, prepare: bool = True) -> str:
             raise UserError(f"--model {spec}: not a directory; pass an HF checkpoint directory or a hub id")
         if not (p / "config.json").is_file():
             raise UserError(f"--model {spec}: no config.json in that directory; pass an HF checkpoint directory")
-        if not (any(p.glob("*.safetensors")) or any(p.glob("*.bin"))):
+        if weights and not (any(p.glob("*.safetensors")) or any(p.glob("*.bin"))):
             raise UserError(f"--model {spec}: no *.safetensors or *.bin weights; save the model with save_pretrained")
         if not os.access(p / "config.json", os.R_OK):
             raise UserError(f"--model {spec}: config.json is not readable; fix the file permissions")

@@ -99,7 +99,7 @@ else:
     m[3].metric("Reward", f"{seq.reward:.3g}")
 # the advantage the masks below read: the stored one, else reward − the group's mean reward (browse docstring)
 used = tokens["advantage"].dropna()
-advantage = used.iloc[0] if len(used) else float("nan")
+advantage = used.iloc[0] if len(used) else seq.advantage  # (a sequence without token rows: the stored one)
 derived = pd.isna(seq.advantage) and not pd.isna(advantage)
 m[4].metric(
     "Advantage" + (" (derived)" if derived else ""),

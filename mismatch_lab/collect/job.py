@@ -61,14 +61,15 @@ class PendingRun:
 
 
 # ------------------------------------------------------------------------------------------------ prepare
-def prepare(cfg: CollectConfig, *, verbose: bool = False) -> Job:
-    """Validate every input and cut the work into chunks; bad input raises UserError and writes nothing."""
+def prepare(cfg: CollectConfig, *, verbose: bool = False, weights: bool = True) -> Job:
+    """Validate every input and cut the work into chunks; bad input raises UserError and writes nothing.
+    `weights=False`: a checkpoint directory may hold its config only (enough for `memory_plan`)."""
     from mismatch_lab.engines.vllm_engine import _import_vllm
     from mismatch_lab.models import resolve_model
     from mismatch_lab.scoring import parse_scorers
 
     prompts = read_prompts(cfg.prompts)
-    model = resolve_model(cfg.model)
+    model = resolve_model(cfg.model, weights=weights)
     tokenizer, model_config = load_model_info(model, cfg.trust_remote_code)
     hf_dtypes, vllm_dtypes = parse_scorers(cfg.scorer_dtypes)
     if cfg.engine == "vllm" or vllm_dtypes:

@@ -261,4 +261,6 @@ def _fix(w: Workload, gpu: bool) -> str:
                                                            if w.gpu_memory_utilization else [])
     else:
         fixes.append("or run on a GPU (--device cuda)")
+    if w.engine == "hf":  # its generate keeps every sequence's logits: the batch is the lever
+        fixes.insert(0, f"a smaller --gen-batch (the HF engine keeps the logits of all {w.gen_batch} sequences of a call)")
     return ", ".join(fixes)

@@ -37,12 +37,10 @@ published ones and against the architecture transformers builds."""
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
-def build_random_model(out: str | Path, shape: str, *, device: str = "cpu", dtype: str = "bf16", seed: int = 0) -> Path:
-    """Write a random-weight checkpoint of REAL_SHAPES[shape] at `dtype` to `out` with the embedded model's
-    tokenizer; initialised on `device` (a GPU builds an 8B model in seconds), stored as safetensors. Re-used
-    when `out` already holds a complete one of the same shape and dtype."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+def write_config(out: str | Path, shape: str, dtype: str = "bf16") -> Path:
+    """`out` with REAL_SHAPES[shape]'s config.json and the embedded model's tokenizer, no weights: enough for
+    collect's memory plan (`collect.job.prepare` + `memory_plan`), before any weight is built."""
+    from transformers import AutoConfig, AutoTokenizer
 
     from mismatch_lab.models import resolve_model
 
@@ -51,16 +49,28 @@ def build_random_model(out: str | Path, shape: str, *, device: str = "cpu", dtyp
     if dtype not in DTYPES:
         raise UserError(f"dtype {dtype!r}: one of {', '.join(DTYPES)}")
     out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    AutoConfig.for_model(**REAL_SHAPES[shape], dtype=DTYPES[dtype]).save_pretrained(out)
+    AutoTokenizer.from_pretrained(resolve_model("default")).save_pretrained(out)
+    return out
+
+
+def build_random_model(out: str | Path, shape: str, *, device: str = "cpu", dtype: str = "bf16", seed: int = 0) -> Path:
+    """Write a random-weight checkpoint of REAL_SHAPES[shape] at `dtype` to `out` with the embedded model's
+    tokenizer; initialised on `device` (a GPU builds an 8B model in seconds), stored as safetensors. Re-used
+    when `out` already holds a complete one of the same shape and dtype."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    out = Path(out)
     stamp = f"{shape} {dtype} seed {seed}\n"
     if (out / ".complete").is_file() and (out / ".complete").read_text() == stamp:
         return out
-    conf = AutoConfig.for_model(**REAL_SHAPES[shape])
+    write_config(out, shape, dtype)
     torch.manual_seed(seed)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(conf, dtype=getattr(torch, DTYPES[dtype]))
-    out.mkdir(parents=True, exist_ok=True)
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(out), dtype=getattr(torch, DTYPES[dtype]))
     model.save_pretrained(out, safe_serialization=True)
     del model
-    AutoTokenizer.from_pretrained(resolve_model("default")).save_pretrained(out)
     (out / ".complete").write_text(stamp)
     return out

@@ -35,3 +35,18 @@ def test_the_gpu_collect_benchmark_runs_end_to_end_on_a_cpu(tmp_path, embedded_m
     assert all(p["peak"] is None and p["seconds"] > 0 for p in phases.values())  # no device peak on a CPU
     assert any("total on the device" in line for line in out["plan"])
     assert json.loads((tmp_path / "r.json").read_text())["tokens"] == stored
+
+
+def test_a_shape_whose_plan_cannot_fit_is_refused_before_any_weight_is_built(tmp_path):
+    import pytest
+
+    from mismatch_lab.errors import UserError
+
+    spec = importlib.util.spec_from_file_location("bench_collect_gpu", SCRIPT)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    with pytest.raises(UserError, match=r"memory plan: .* a smaller --gen-batch \(the HF engine keeps the logits of all 64"):
+        bench.main(["--shape", "llama-3.1-8b", "--device", "cpu", "--prompts", "4", "--max-tokens", "256",
+                    "--gen-batch", "64", "--work", str(tmp_path)])
+    model = tmp_path / "model-llama-3.1-8b"
+    assert (model / "config.json").is_file() and not list(model.glob("*.safetensors"))  # 16 GB not written

@@ -85,6 +85,12 @@ def test_a_plan_that_cannot_fit_names_the_flags_that_fix_it():
     # a given --gpu-memory-utilization too small for the engine's weights is named as well
     small = plan_memory(Shapes.from_config(QWEN_1_5B), _workload(gpu_memory_utilization=0.05), "cuda:0", 24 * GiB)
     assert not small.fits and "--gpu-memory-utilization" in small.fix
+    # the HF engine keeps each sequence's logits: 256 sequences of 8B at 2048 tokens do not fit, 8 do
+    hf = _workload(engine="hf", gen_batch=256, rollout_dtypes=["bf16", "fp16", "fp32"])
+    refused = plan_memory(Shapes.from_config(LLAMA_8B), hf, "cuda:0", 80 * GiB)
+    assert not refused.fits and refused.fix.startswith("a smaller --gen-batch (the HF engine keeps the logits of all 256")
+    fewer = _workload(engine="hf", gen_batch=8, seq_len=512, rollout_dtypes=["bf16", "fp16", "fp32"])
+    assert plan_memory(Shapes.from_config(LLAMA_8B), fewer, "cuda:0", 80 * GiB).fits
 
 
 def test_the_cpu_plan_counts_vllms_explicit_kv_cache_and_refuses_a_small_machine():
