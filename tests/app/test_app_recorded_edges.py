@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from app_paths import APP
-from streamlit.testing.v1 import AppTest
+from app_paths import open_page
 
 from mismatch_lab.analysis import browse
 from mismatch_lab.record import Recorder
@@ -31,13 +30,8 @@ def store(tmp_path_factory):
     return path
 
 
-def _page(store, monkeypatch, page: str) -> AppTest:
-    monkeypatch.setenv("MISMATCH_LAB_STUDY", str(store))
-    at = AppTest.from_file(str(APP), default_timeout=60)
-    at.run()
-    at.switch_page(f"app_pages/{page}.py").run()
-    assert not at.exception, at.exception
-    return at
+def _page(store, monkeypatch, page: str):
+    return open_page(store, monkeypatch, page)
 
 
 def test_clipping_says_tokens_without_ids_cannot_be_ranked(store, monkeypatch):

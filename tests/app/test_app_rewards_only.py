@@ -8,8 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 import pytest
-from app_paths import APP
-from streamlit.testing.v1 import AppTest
+from app_paths import open_page
 
 from mismatch_lab.record import Recorder
 
@@ -37,13 +36,8 @@ def store(tmp_path_factory, embedded_model):
     return path, rewards
 
 
-def _page(store, monkeypatch, page: str) -> AppTest:
-    monkeypatch.setenv("MISMATCH_LAB_STUDY", str(store[0]))
-    at = AppTest.from_file(str(APP), default_timeout=60)
-    at.run()
-    at.switch_page(f"app_pages/{page}.py").run()
-    assert not at.exception, at.exception
-    return at
+def _page(store, monkeypatch, page: str):
+    return open_page(store[0], monkeypatch, page)
 
 
 def test_the_inspector_shows_the_derived_advantage_the_masks_use(store, monkeypatch):
