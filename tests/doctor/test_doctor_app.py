@@ -20,12 +20,18 @@ def _overview(monkeypatch, path: str) -> AppTest:
     return at
 
 
+def _verdicts(at):
+    """The Doctor section's table: the one dataframe with a verdict column (a dataframe, so bands such as
+    '>= 0.3 ok' are shown as written, not as Markdown)."""
+    (df,) = [d.value for d in at.dataframe if "verdict" in d.value.columns]
+    return df
+
+
 def test_overview_shows_the_doctor_verdicts_of_the_open_store(monkeypatch, store):
     path = store(Pair(rollout="vllm:bf16", pi=0.52), Pair(rollout="vllm:fp16", pi=0.501))
     at = _overview(monkeypatch, path)
     assert [e.label for e in at.expander] == [TITLE]
-    (table,) = at.table
-    df = table.value
+    df = _verdicts(at)
     verl = df[df["check"] == "abs_dp_mean"].set_index("pair")["verdict"].to_dict()
     assert verl == {"vllm:bf16/hf:fp32": "fail", "vllm:fp16/hf:fp32": "ok"}
     assert {"pair", "check", "value", "band", "source", "verdict"} <= set(df.columns)
@@ -41,5 +47,4 @@ def test_a_store_without_scores_shows_only_the_store_level_checks(monkeypatch, t
     runs = pd.DataFrame([{"run_id": "r", "kind": "collect", "status": "complete", "engine": "vllm", "engine_dtype": "bf16"}])
     path = write_store(tmp_path / "noscores.duckdb", {"runs": runs})
     at = _overview(monkeypatch, str(path))
-    (table,) = at.table
-    assert table.value[["pair", "check", "verdict"]].values.tolist() == [["vllm:bf16", "skipped_prompts", "ok"]]
+    assert _verdicts(at)[["pair", "check", "verdict"]].values.tolist() == [["vllm:bf16", "skipped_prompts", "ok"]]
