@@ -122,17 +122,34 @@ def sorted_pairs(df: pd.DataFrame) -> list[tuple[str, str]]:
 
 
 def one_per_rollout(pairs: list[tuple[str, str]], prefer: str = "same") -> list[tuple[str, str]]:
-    """One pair per rollout. prefer='same': the HF scorer of the rollout's own dtype (the RL setting, both
-    sides at one precision), else the reference scorer hf:fp32, else the first scorer. prefer='reference':
-    hf:fp32 first (a common trainer, so rollouts differ only in their own dtype), then the same-dtype one."""
+    """One pair per rollout and scorer family: our HF scorers ('hf:<dtype>') are one family, and so is each
+    framework of recorded and imported runs ('<framework>:<dtype>': another framework's trainer is another
+    run, which no HF scorer stands for). Within a family, prefer='same': the scorer of the rollout's own
+    dtype (the RL setting, both sides at one precision), else the fp32 one (hf:fp32 is the reference
+    scorer); prefer='reference': fp32 first (a common trainer, so rollouts differ only in their own dtype),
+    then the same-dtype one; else the family's first. vLLM prefill scorers ('vllm:<dtype>') only where a
+    rollout has nothing else."""
     out = []
     for rollout in dict.fromkeys(r for r, _ in pairs):
         scorers = [s for r, s in pairs if r == rollout]
-        same = [s for s in scorers if s.startswith("hf:") and dtype_of(s) == dtype_of(rollout)]
-        ref = [s for s in scorers if s == d.REFERENCE_SCORER]
-        order = (same + ref) if prefer == "same" else (ref + same)
-        out.append((rollout, (order or scorers)[0]))
+        families = dict.fromkeys(s.split(":")[0] for s in scorers if not s.startswith("vllm:"))
+        for family in families:
+            members = [s for s in scorers if s.split(":")[0] == family]
+            same = [s for s in members if dtype_of(s) == dtype_of(rollout)]
+            ref = [s for s in members if s == d.REFERENCE_SCORER or family != "hf" and dtype_of(s) == "fp32"]
+            order = (same + ref) if prefer == "same" else (ref + same)
+            out.append((rollout, (order or members)[0]))
+        if not families:
+            out.append((rollout, scorers[0]))
     return out
+
+
+WEIGHTS_NOTE = ("μ and π at identical weights for collect runs; for recorded and imported runs as their framework "
+                "took them (an asynchronous run's μ may come from older weights)")
+"""What the token figures' captions say of the weights behind μ and π."""
+SCORERS_NOTE = ("π from the scorer named in each panel: for collect runs an HF scorer (teacher forcing), for "
+                "recorded and imported runs the trainer's own log-probs")
+"""What the token figures' captions say of the scorer drawn."""
 
 
 def pair_label(rollout: str, scorer: str) -> str:
@@ -140,9 +157,10 @@ def pair_label(rollout: str, scorer: str) -> str:
 
 
 def token_label(text, token_id) -> str:
-    """A token string as drawn; a token stored without text (no tokenizer was given) by its id."""
+    """A token string as drawn, quoted (a leading space or a lone ' ' stays visible); a token stored
+    without text (no tokenizer was given) by its id."""
     if isinstance(text, str):
-        return repr(text)[1:-1]
+        return repr(text)
     return f"id {int(token_id)}" if pd.notna(token_id) else "∅"
 
 

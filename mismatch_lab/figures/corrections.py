@@ -91,7 +91,8 @@ def fig8_corrections(con: duckdb.DuckDBPyConnection, rows=None) -> list[tuple[st
     params = "; ".join(f"{m} {p}" for m, p in main.drop_duplicates("method")[["method", "params"]].itertuples(index=False) if p)
     caption = (
         f"Every base objective (above the line) and rollout correction (below) of the registry on the same stored "
-        f"tokens, {len(pairs)} pair(s), one per rollout with its same-dtype HF scorer (else hf:fp32): "
+        f"tokens, {len(pairs)} pair(s) (collect runs: one per rollout with its same-dtype HF scorer, else hf:fp32; "
+        "recorded and imported runs: each with its trainer's scorer): "
         + "; ".join(described) + ". r = π/μ per token; a store holds no π_old, so π_old = π (the first mini-batch "
         "of a step). Red: tokens the method drops (M = 0), over the pair's finite tokens; purple: sequences every "
         "token of which is dropped, over the pair's sequences; blue: tokens kept with a weight w ≠ r, over the "

@@ -7,7 +7,7 @@ variation, no exact TV): a figure is never drawn empty. Each figure has a title,
 units, and a caption at the bottom saying what was measured, on what, with n. Densities are computed in
 SQL (2-D histograms, GROUP BY) and only the grid reaches matplotlib; per-sequence scatters draw one point
 per sequence. Figures 1-5 read the token runs, the kinds of `schema.TOKEN_FIGURE_KINDS` (collect, and
-runs recorded or imported from a user's RL framework: μ and π taken at identical parameters); figure 7
+runs recorded or imported from a user's RL framework: μ and π as it took them, base.WEIGHTS_NOTE); figure 7
 the `collect` runs; figure 6 the `train` runs; figure 9 every run whose sequences carry a training step
 (train, recorded, imported runs). Definitions (r, binary TV, k3, clip range, delta) are those of `mismatch_lab.analysis`
 (docs/analysis.md).

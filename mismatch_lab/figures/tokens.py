@@ -1,5 +1,5 @@
-"""Figures 1-5: the token runs (collect, and runs recorded or imported from a user's RL framework: μ and π at
-identical parameters), one function per figure; definitions are those of `mismatch_lab.analysis`."""
+"""Figures 1-5: the token runs (collect, and runs recorded or imported from a user's RL framework: μ and π as
+base.WEIGHTS_NOTE says), one function per figure; definitions are those of `mismatch_lab.analysis`."""
 
 from __future__ import annotations
 
@@ -21,6 +21,8 @@ from mismatch_lab.categories import CATEGORIES
 from mismatch_lab.figures.base import (
     CAT_COLORS,
     DTYPE_COLORS,
+    SCORERS_NOTE,
+    WEIGHTS_NOTE,
     Skip,
     dtype_of,
     finish,
@@ -91,8 +93,8 @@ def fig1_volatility(con: duckdb.DuckDBPyConnection, rows: Rows | None = None) ->
     n_rows = int(n_tok[pairs].sum())
     caption = (
         "Ratio r = π/μ (top) and binary TV |π − μ| (bottom) of the sampled token against its rollout probability "
-        "μ, at identical weights: every generated token of the collect, recorded and imported runs, scored by the trainer-side HF scorer "
-        f"of the rollout's own dtype, else by hf:fp32 (teacher forcing); n = {n_rows:,} finite (token, scorer) rows in {len(pairs)} "
+        f"μ ({WEIGHTS_NOTE}): every stored response token of the collect, recorded and imported runs, {SCORERS_NOTE} "
+        f"(collect: the HF scorer of the rollout's own dtype, else hf:fp32); n = {n_rows:,} finite (token, scorer) rows in {len(pairs)} "
         f"pairs (the store holds {len(all_pairs)} pairs; figure 3 summarises all). Shading: tokens per cell "
         "(log scale); values beyond the axis range are drawn at its edge. Red: statistics per linear μ bucket "
         f"(10 buckets, volatility analysis). Dashed: PPO clip range [{d.CLIP_LOW:g}, {d.CLIP_HIGH:g}] (top, where "
@@ -156,16 +158,16 @@ def fig2_precision_scatter(con: duckdb.DuckDBPyConnection, rows: Rows | None = N
         ax2.tick_params(labelsize=7)
         ax2.legend(fontsize=6)
     caption = (
-        "Top: trainer-side probability π against rollout probability μ of the same sampled token at identical "
-        f"weights, every token of the collect, recorded and imported runs (n = {int(n_tok[pairs].sum()):,} finite (token, scorer) rows over "
-        f"{len(pairs)} pairs: each rollout dtype scored by the hf:fp32 scorer where stored, else by the HF scorer "
-        "of its own dtype); shading: "
+        f"Top: trainer-side probability π against rollout probability μ of the same sampled token ({WEIGHTS_NOTE}), "
+        f"every stored response token of the collect, recorded and imported runs (n = {int(n_tok[pairs].sum()):,} finite (token, scorer) rows over "
+        f"{len(pairs)} pairs; {SCORERS_NOTE}: collect runs' rollout dtypes scored by hf:fp32 where stored, else by "
+        "the HF scorer of their own dtype); shading: "
         "tokens per cell (log scale); dashed: π = μ. Bottom: per sequence without a non-finite token "
         f"(n = {n_seq:,} sequences), the sum over the response of log π − log μ (log of the sequence-level ratio) "
         "against response length, with its least-squares fit (solid) and the fit through the origin (dashed, "
         "the drift rate), each with its 95 % t-interval in brackets (FP16 paper: BF16 ≈ −1.0, FP16 ≈ −0.07 nats "
         "per 1K tokens); 'seq. KL k1' is the mean over sequences of "
-        f"Σ_t (log μ − log π). {_length_span(drift['response_len'])}: where that is far below 1K, the slope per "
+        f"Σ_t (log μ − log π). {_length_span(drift[[p in set(pairs) for p in zip(drift['rollout'], drift['scorer'])]]['response_len'])}: where that is far below 1K, the slope per "
         "1K tokens is an extrapolation."
     )
     return [("fig2_pi_vs_mu_seq_drift", finish(fig, "π vs μ and sequence drift per precision (FP16 study)", caption, m))]
@@ -232,11 +234,14 @@ def fig3_precision_summary(con: duckdb.DuckDBPyConnection, rows: Rows | None = N
     axes[0].set_yticks(y, [r[0].replace("\n", " ") for r in allrows], fontsize=6.5)
     n_rows = int(prec["n_finite"].sum())
     caption = (
-        f"Token-level mismatch at identical weights over the collect, recorded and imported runs: {len(prows)} (rollout, scorer) pairs "
+        f"Token-level mismatch ({WEIGHTS_NOTE}) over the collect, recorded and imported runs: {len(prows)} (rollout, scorer) pairs "
         f"with n = {n_rows:,} finite (token, scorer) rows in all (per pair: " +
         ", ".join(f"{r['rollout']}/{r['scorer']} n={int(r['n_finite']):,}" for _, _, _, r in prows[:12]) +
-        (", …" if len(prows) > 12 else "") + "). Hatched bars below the line: the same metrics between a scorer "
-        "and the hf:fp32 scorer on the same tokens (the noise floor a rollout cannot be told apart from). k3 is an "
+        (", …" if len(prows) > 12 else "") + "). "
+        + ("Hatched bars below the line: the same metrics between a scorer and the hf:fp32 scorer on the same "
+           "tokens (the noise floor a rollout cannot be told apart from). " if frows else
+           "No noise floor is drawn: the store holds no scorer compared with hf:fp32 on the same tokens. ")
+        + "k3 is an "
         "unbiased estimator of KL(μ‖π) from tokens sampled from μ; all means over finite rows; colour = dtype of "
         "the rollout (red bf16, blue fp16, green fp32); log axes where values span more than two decades."
     )  # fmt: skip
@@ -282,7 +287,8 @@ def fig4_clipping(con: duckdb.DuckDBPyConnection, rows: Rows | None = None) -> l
         mu_cl = (c["mu_mean_clipped"].fillna(0) * c["n_ratio_clip"]).sum() / max(n_clip, 1)
         ax_c.set_title(f"{pair_label(ro, sc)}\n{n_clip:,} of {int(c['n_tokens'].sum()):,} tokens ratio-clipped, "
                        f"mean μ of the clipped = {mu_cl:.2f}", fontsize=8)
-        ax_c.legend(fontsize=7)
+        ax_c.set_ylim(top=ax_c.get_ylim()[1] * 1.35)  # room above the bars for the legend
+        ax_c.legend(fontsize=7, loc="upper right")
         ax_c.tick_params(axis="y", labelsize=7)
         t = top[(top["rollout"] == ro) & (top["scorer"] == sc)].sort_values("rank", ascending=False)
         parts.append(f"{ro}/{sc}: n={int(c['n_tokens'].sum()):,}")
@@ -301,8 +307,8 @@ def fig4_clipping(con: duckdb.DuckDBPyConnection, rows: Rows | None = None) -> l
         ax_t.legend(handles=handles, fontsize=6, loc="lower right")
         ax_t.tick_params(axis="x", labelsize=7)
     caption = (
-        f"Which sampled tokens PPO's two-sided ratio clip (r ∉ [{d.CLIP_LOW:g}, {d.CLIP_HIGH:g}]) would drop at "
-        f"identical weights, against DPPO's binary-TV (|π − μ| > {d.DELTA_TV:g}) and binary-KL (> {d.DELTA_KL:g}) "
+        f"Which sampled tokens PPO's two-sided ratio clip (r ∉ [{d.CLIP_LOW:g}, {d.CLIP_HIGH:g}]) would drop "
+        f"({WEIGHTS_NOTE}), against DPPO's binary-TV (|π − μ| > {d.DELTA_TV:g}) and binary-KL (> {d.DELTA_KL:g}) "
         f"masks, by token category, for every token of the collect, recorded and imported runs ({'; '.join(parts)} finite tokens). "
         "Right: the token strings ratio-clipped most often (count over all their occurrences). "
         + (f"Pairs with no clipped token are left out: {', '.join(f'{a}/{b}' for a, b in skipped)}." if skipped else "")

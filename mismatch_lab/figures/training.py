@@ -12,6 +12,7 @@ A run is labelled by its objective and by whatever else tells it apart from the 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import duckdb
@@ -45,6 +46,11 @@ def _objective(config) -> str | None:
     return next((str(cfg[k]) for k in OBJECTIVE_KEYS if cfg.get(k)), None)
 
 
+def _given(value):
+    """A runs column's value, None where it is missing (None, or NaN from pandas)."""
+    return None if value is None or (isinstance(value, float) and math.isnan(value)) else value
+
+
 def _label_parts(row) -> dict[str, str]:
     cfg = _config(row.config)
     correction = str(cfg.get("correction") or "none")
@@ -52,7 +58,7 @@ def _label_parts(row) -> dict[str, str]:
         "objective": _objective(row.config) or row.run_id,
         "correction": "" if correction == "none" else f"+{correction}",
         "rollout": f"{row.engine}:{row.engine_dtype}" if row.engine_dtype else str(row.engine or ""),
-        "model": Path(str(row.model or cfg.get("model") or "")).name,
+        "model": Path(str(_given(row.model) or cfg.get("model") or "")).name,
         "seed": f"seed {cfg['seed']}" if cfg.get("seed") is not None else "",
     }
 
