@@ -461,11 +461,7 @@ def shown(value) -> str:
     return "—" if value is None or (not isinstance(value, str) and pd.isna(value)) else str(value)
 
 
-def token_label(text, token_id) -> str:
-    """A token for a picker: its quoted string, or its id where the store holds no text (no tokenizer)."""
-    if isinstance(text, str):
-        return repr(text)
-    return f"id {int(token_id)}" if pd.notna(token_id) else "∅"
+token_label = browse.token_label  # a token for a picker or a table: its quoted string, else its id
 
 
 def keep_valid(key: str, options: list) -> None:

@@ -48,6 +48,14 @@ from mismatch_lab.analysis.definitions import (
 from mismatch_lab.analysis.relations import col, table_columns
 
 
+def token_label(text, token_id) -> str:
+    """A token as shown (app and figures): its string quoted, so a leading space or a lone ' ' stays visible;
+    by its id where the store holds no text (recorded without a tokenizer); '∅' with neither."""
+    if isinstance(text, str):
+        return repr(text)
+    return f"id {int(token_id)}" if pd.notna(token_id) else "∅"
+
+
 def _df(con, sql: str, params: list | None = None) -> pd.DataFrame:
     return con.execute(sql, params or []).df()
 

@@ -17,6 +17,7 @@ from matplotlib.colors import LogNorm
 from matplotlib.figure import Figure
 
 from mismatch_lab.analysis import definitions as d
+from mismatch_lab.analysis.browse import token_label  # noqa: F401 - the figures' token labels (re-exported)
 from mismatch_lab.analysis.relations import Filters, query
 from mismatch_lab.analysis.rows import Rows
 from mismatch_lab.categories import CATEGORIES
@@ -154,14 +155,6 @@ SCORERS_NOTE = ("π from the scorer named in each panel: for collect runs an HF 
 
 def pair_label(rollout: str, scorer: str) -> str:
     return f"μ {rollout} vs π {scorer}"
-
-
-def token_label(text, token_id) -> str:
-    """A token string as drawn, quoted (a leading space or a lone ' ' stays visible); a token stored
-    without text (no tokenizer was given) by its id."""
-    if isinstance(text, str):
-        return repr(text)
-    return f"id {int(token_id)}" if pd.notna(token_id) else "∅"
 
 
 def study_rows(con: duckdb.DuckDBPyConnection, *, materialize: bool = True) -> Rows:
