@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from mismatch_lab.engines.base import TORCH_DTYPES as DTYPES
 from mismatch_lab.errors import UserError
 
 REAL_SHAPES: dict[str, dict] = {
@@ -33,9 +34,6 @@ REAL_SHAPES: dict[str, dict] = {
 }  # fmt: skip
 """Shape name -> config fields. Parameter counts: tests/collect/test_collect_memory.py checks them against the
 published ones and against the architecture transformers builds."""
-
-DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-
 
 def write_config(out: str | Path, shape: str, dtype: str = "bf16") -> Path:
     """`out` with REAL_SHAPES[shape]'s config.json and the embedded model's tokenizer, no weights: enough for

@@ -152,8 +152,8 @@ def _check_same_experiment(root: Path, run_name: str, trl_options: dict, every: 
 def _check_trainer(trainer) -> None:
     if not callable(getattr(trainer, "_generate_and_score_completions", None)):
         raise UserError(f"attach() takes a trl.GRPOTrainer (TRL 1.16); got {type(trainer).__name__}")
-    live = getattr(trainer, "_mismatch_lab_recorder", None)
-    if live is not None and not live.closed:  # before a second Recorder writes a row
+    hook = getattr(trainer, "_mismatch_lab_hook", None)
+    if hook is not None and not hook.recorder.closed:  # before a second Recorder writes a row
         raise UserError("attach() was already called on this trainer and its Recorder is open; one Recorder per "
                         "trainer at a time (close() it first, or attach again after train() returned)")
     args = trainer.args
@@ -287,7 +287,7 @@ class _Hook:
         from transformers import TrainerCallback
 
         trainer = self.trainer
-        trainer._mismatch_lab_hook, trainer._mismatch_lab_recorder = self, self.recorder
+        trainer._mismatch_lab_hook = self
         calc, gen, train = trainer._calculate_rewards, trainer._generate_and_score_completions, trainer.train
 
         def calculate_rewards(*args, **kwargs):
@@ -326,7 +326,6 @@ class _Hook:
         """Record the trainer's next train() call into `recorder` (the wrappers stay those installed)."""
         self.recorder, self.every = recorder, every
         self._generated, self._batches, self._warned_closed = 0, {}, False
-        self.trainer._mismatch_lab_recorder = recorder
 
     def record(self, out: dict, metrics_before: dict) -> None:
         trainer, rec = self.trainer, self.recorder
