@@ -135,7 +135,7 @@ def rollout_base(
     mu's recorded top-K against the scorer's logps_at_rollout_topk; else NULL); with advantage the
     sequence's step and adv_sign
     ('positive' / 'negative' / NULL). `enums` (column -> ENUM type) casts those label columns where the
-    fewest rows pass: the rollout label on `runs`, the category on `tokens`, before the join."""
+    fewest rows pass: the rollout label and the run id on `runs`, the category on `tokens`, before the join."""
     enums = enums or {}
 
     def cast(expr: str, name: str) -> str:
@@ -165,9 +165,10 @@ def rollout_base(
         adv_join = f"LEFT JOIN ({sign}) adv ON adv.run_id = t.run_id AND adv.seq_id = t.seq_id"
         cols += ["adv.adv_sign", "adv.step"]
     nonfinite = col(scols, "s", "nonfinite", "BOOLEAN")
-    runs = f"SELECT run_id, {cast(d.ROLLOUT_LABEL_SQL, 'rollout')} AS rollout FROM runs"
+    # labels are cast where the fewest rows pass: the run id on `runs` (one row a run), not on every token
+    runs = f"SELECT run_id, {cast('run_id', 'run_id')} AS run_label, {cast(d.ROLLOUT_LABEL_SQL, 'rollout')} AS rollout FROM runs"
     base = f"""
-        SELECT runs.rollout, {cast('s.scorer', 'scorer')} AS scorer, {cast('t.run_id', 'run_id')} AS run_id,
+        SELECT runs.rollout, {cast('s.scorer', 'scorer')} AS scorer, runs.run_label AS run_id,
                t.seq_id, t.token_id, t.category,
                t.logp_rollout AS lmu, s.logp AS lpi,
                {d.finite_sql('t.logp_rollout', 's.logp', nonfinite)} AS finite,

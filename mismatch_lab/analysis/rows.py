@@ -27,6 +27,7 @@ import numpy as np
 import pandas as pd
 
 from mismatch_lab.analysis import definitions as d
+from mismatch_lab.analysis.quantiles import Wanted, exact_quantiles
 from mismatch_lab.analysis.relations import (
     STORED_METRICS,
     TOPK_STORED,
@@ -123,9 +124,6 @@ R_QUANTILE_COLUMNS = [f"r_p{round(q * 100):02d}" for q in d.RATIO_QUANTILES]  # 
 QUANTILE_COLUMNS = [*R_QUANTILE_COLUMNS, "binary_tv_p99", "topk_tv_p99", "tv_exact_vs_ref_p99"]
 """The statistics of Rows.quantiles (besides its keys rollout, scorer, bucket)."""
 
-QUANTILE_BYTES_TOGETHER = 600 * 2**20
-"""Exact quantiles keep every value of a group until it is done (8 bytes each): below this many bytes for
-all of them the quantile aggregates share one pass, above it they run one per pass (bounded memory)."""
 
 
 class Rows:
@@ -146,6 +144,7 @@ class Rows:
         self._tables: list[str] = []
         self._const: dict[str, str] = {}  # rollout-side columns the store lacks: name -> SQL constant
         self._buckets: dict[tuple[str, int], str] = {}  # (scale, n) -> column of the materialised row set
+        self._sample_rel: str | None = None  # the rollout row set read from a sample of the temp table
         if not self.ok:
             return
         tcols, scols = table_columns(con, "tokens"), table_columns(con, "scores")
@@ -198,6 +197,8 @@ class Rows:
         self._tables.append(table)
         self._buckets |= buckets
         added = "".join(f", {expr} AS {name}" for name, expr in const.items())
+        # the quantiles' sample is drawn from the stored rows, before any metric is computed
+        self._sample_rel = with_metrics(f"SELECT *{added} FROM temp.{table} {{sample}}", STORED_METRICS)
         return f"SELECT *{added} FROM temp.{table}"
 
     def _bucket(self, scale: str, n_buckets: int) -> str:
@@ -341,53 +342,35 @@ class Rows:
         return self._cache[key].copy()
 
     def _quantile_passes(self, scales: list[tuple[str, int]]) -> list[pd.DataFrame]:
-        """quantiles() for each (scale, n_buckets). One exact quantile aggregate holds every value of its
-        column (per scale) in memory until its groups are done: on large row sets each aggregate and scale
-        runs in a pass of its own, which bounds the peak (10^8 tokens: ~0.8 GB, not ~3.2 GB); on small
-        ones they share one pass (QUANTILE_BYTES_TOGETHER)."""
+        """quantiles() for each (scale, n_buckets), all in one pass (analysis.quantiles: exact, without
+        holding every value; a Bernoulli sample places the brackets)."""
         ok = "finite AND isfinite(tv_exact)"
-        aggregates = {
-            "r_q": f"quantile_cont(r, {list(d.RATIO_QUANTILES)})",
-            "binary_tv_p99": "quantile_cont(btv, 0.99)",
-            "topk_tv_p99": "quantile_cont(topk_tv, 0.99)",
-            "tv_exact_vs_ref_p99": f"quantile_cont(tv_exact, 0.99) FILTER (WHERE {ok})",
-        }
+        wanted = [
+            Wanted("r", "r", tuple(d.RATIO_QUANTILES)),
+            Wanted("binary_tv_p99", "btv", (0.99,)),
+            Wanted("topk_tv_p99", "topk_tv", (0.99,)),
+            Wanted("tv_exact_vs_ref_p99", "tv_exact", (0.99,), where=ok),
+        ]
         constant = {"topk_tv_p99": "topk", "tv_exact_vs_ref_p99": "tv_exact"}  # NULL where not stored
-        live = {n: a for n, a in aggregates.items() if constant.get(n) not in self._const}
-        # together in one pass while their values fit well inside the reader's memory, else one by one
-        together = self._row_bound() * 8 * len(live) * len(scales) <= QUANTILE_BYTES_TOGETHER
-        batches = [(scales, live)] if together else [([s], {n: a}) for s in scales for n, a in live.items()]
-        keys = ["rollout", "scorer", "bucket"]
-        out: dict[tuple[str, int], pd.DataFrame] = {}
-        for batch_scales, batch in batches:
-            for s, part in zip(batch_scales, self._quantile_pass(batch_scales, batch), strict=True):
-                out[s] = part if s not in out else out[s].merge(part, on=keys, how="outer")
-        frames = []
-        for s in scales:
-            q = out[s]
-            for name in aggregates.keys() - live.keys():
-                q[name] = np.nan
-            qs = q.pop("r_q")
-            for i, col_name in enumerate(R_QUANTILE_COLUMNS):
-                q[col_name] = np.array([np.nan if not isinstance(v, (list, np.ndarray)) or v[i] is None else v[i]
-                                        for v in qs], dtype=np.float64)
-            frames.append(q[[*keys, *QUANTILE_COLUMNS]])
-        return frames
-
-    def _quantile_pass(self, scales: list[tuple[str, int]], aggregates: dict[str, str]) -> list[pd.DataFrame]:
-        """One pass: `aggregates` (name -> SQL) per (rollout, scorer, bucket) of each scale (GROUPING SETS,
-        one set per scale); a frame (rollout, scorer, bucket, *names) per scale."""
+        live = [w for w in wanted if constant.get(w.name) not in self._const]
         rel, params = self.sql["rollout"]
         cols = [f"b{i}" for i in range(len(scales))]
         buckets = ", ".join(f"{self._bucket(s, n)} AS {c}" for c, (s, n) in zip(cols, scales, strict=True))
-        sets = ", ".join(f"(rollout, scorer, {c})" for c in cols)
-        aggs = ", ".join(f"{a} AS {n}" for n, a in aggregates.items())
-        sql = f"""SELECT rollout, scorer, {', '.join(cols)}, {aggs}
-                  FROM (SELECT *, {buckets} FROM ({rel})) GROUP BY GROUPING SETS ({sets})"""
-        both = query(self.con, sql, params)
-        # a bucket column is never NULL in its own set (-1 marks non-finite mu) and NULL in the others
-        return [both[both[c].notna()].drop(columns=[x for x in cols if x != c]).rename(columns={c: "bucket"})
-                .reset_index(drop=True) for c in cols]  # fmt: skip
+        sample = self._sample_rel or f"SELECT * FROM ({rel}) {{sample}}"
+        by_set = exact_quantiles(
+            self.con, f"SELECT *, {buckets} FROM ({rel})", params,
+            {c: ["rollout", "scorer", c] for c in cols}, live,
+            sample_rel=f"SELECT *, {buckets} FROM ({sample})", row_bound=self._row_bound(),
+        )  # fmt: skip
+        frames = []
+        for c in cols:
+            q = by_set[c].rename(columns={c: "bucket"})
+            q = q.rename(columns=dict(zip(Wanted("r", "", tuple(d.RATIO_QUANTILES)).columns(), R_QUANTILE_COLUMNS,
+                                          strict=True)) | {f"{w.name}_0": w.name for w in live if w.name != "r"})
+            for name in set(QUANTILE_COLUMNS) - set(q.columns):
+                q[name] = np.nan
+            frames.append(q[["rollout", "scorer", "bucket", *QUANTILE_COLUMNS]].astype({c: "float64" for c in QUANTILE_COLUMNS}))
+        return frames
 
     def _row_bound(self) -> int:
         """An upper bound of the rollout row set's rows: the store's score rows (one per token and scorer).

@@ -10,6 +10,8 @@ import pytest
 from analysis_reference import naive_rows, row_of
 
 from mismatch_lab.analysis import definitions as d
+from mismatch_lab.analysis import quantiles
+from mismatch_lab.analysis.rows import Rows
 from mismatch_lab.analysis.volatility import VOLATILITY_COLUMNS, volatility_table
 from mismatch_lab.store.reader import open_store
 from mismatch_lab.store.synthetic import write_store
@@ -85,11 +87,21 @@ def test_log_buckets_reach_down_to_one_in_a_million(planted_con):
     assert table["n_tokens"].sum() == 15  # every finite row lands in exactly one bucket
 
 
-def test_bucket_statistics_match_the_naive_reference(con, full_store):
+@pytest.mark.parametrize("path", ["live", "materialized, bracketed"])
+def test_bucket_statistics_match_the_naive_reference(con, full_store, path, monkeypatch):
+    """Both row sets; the second also with the quantiles' brackets placed from a small sample (analysis.
+    quantiles keeps every value of a group with fewer sampled values than MIN_SAMPLE)."""
+    rows = None
+    if path != "live":
+        monkeypatch.setattr(quantiles, "MIN_SAMPLE", 5)
+        monkeypatch.setattr(quantiles, "SAMPLE_ROWS", 300)
+        placed, real = [], quantiles._bracket
+        monkeypatch.setattr(quantiles, "_bracket", lambda v, q: placed.append(real(v, q)) or placed[-1])
+        rows = Rows(con, materialize=True)
     ref = naive_rows(full_store)
     ok = ref[ref["finite"]].copy()
     for scale in ("linear", "log"):
-        table = volatility_table(con, buckets=scale)
+        table = volatility_table(con, buckets=scale, _rows=rows)
         ok["bucket"] = _bucket(ok["mu"].to_numpy(), scale)
         for (rollout, scorer, b), g in ok.groupby(["rollout", "scorer", "bucket"]):
             got = row_of(table, rollout=rollout, scorer=scorer, bucket=b)
@@ -111,6 +123,8 @@ def test_bucket_statistics_match_the_naive_reference(con, full_store):
             assert got["n_exact"] == len(ex)
             assert got["tv_exact_vs_ref_mean"] == pytest.approx(ex.mean(), rel=1e-9, abs=1e-15)
         assert table["n_tokens"].sum() == len(ok)
+    if path != "live":
+        assert any(np.isfinite(a) for a, _ in placed), "no bracket was placed: the test would not test them"
 
 
 def test_without_top_k_or_exact_tv_those_columns_are_empty(plain_con):

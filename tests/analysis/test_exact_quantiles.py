@@ -1,0 +1,127 @@
+"""analysis.quantiles: bracketed quantiles equal DuckDB's quantile_cont and numpy's default, whatever the
+sample, with NULLs, NaN, ties, empty and tiny groups and two key sets sharing one pass."""
+
+from __future__ import annotations
+
+import duckdb
+import numpy as np
+import pandas as pd
+import pytest
+
+from mismatch_lab.analysis import quantiles as Q
+
+LEVELS = (0.01, 0.05, 0.5, 0.95, 0.99)
+
+
+def _table() -> pd.DataFrame:
+    """Groups (a, b) of very different sizes: a in 0..3 x b in 0..2; the value v has NULLs, exact ties
+    (a block of 1.0), NaN in one group; w only on some rows (its `keep` filter)."""
+    rng = np.random.default_rng(7)
+    parts = []
+    sizes = {(0, 0): 120_000, (0, 1): 40_000, (1, 0): 60_000, (1, 2): 3, (2, 1): 1, (3, 2): 900}
+    for (a, b), n in sizes.items():
+        v = np.exp(rng.normal(0.0, 0.05 * (a + 1), n))
+        v[rng.random(n) < 0.3] = 1.0  # ties at the median
+        frame = pd.DataFrame({"a": a, "b": b, "v": v, "w": rng.random(n), "keep": rng.random(n) < 0.5})
+        frame.loc[frame.sample(frac=0.05, random_state=a * 3 + b).index, "v"] = None  # NULL values
+        parts.append(frame)
+    parts.append(pd.DataFrame({"a": 2, "b": 2, "v": [None] * 5, "w": 0.5, "keep": True}))  # only NULLs
+    nan = pd.DataFrame({"a": 3, "b": 0, "v": np.r_[np.linspace(0, 1, 2000), [np.nan] * 30], "w": 0.1, "keep": True})
+    return pd.concat([*parts, nan], ignore_index=True)
+
+
+@pytest.fixture(scope="module")
+def con():
+    c = duckdb.connect()
+    c.register("frame", _table())
+    c.execute("CREATE TABLE t AS SELECT a::INTEGER AS a, b::INTEGER AS b, v, w, keep FROM frame")
+    return c
+
+
+WANTED = [Q.Wanted("v", "v", LEVELS), Q.Wanted("w", "w", (0.99,), where="keep")]
+SETS = {"by_a": ["a"], "by_b": ["b"]}
+
+
+def _reference(con, keys: list[str]) -> pd.DataFrame:
+    sql = f"""SELECT {', '.join(keys)}, quantile_cont(v, {list(LEVELS)}) AS qv,
+                     quantile_cont(w, 0.99) FILTER (WHERE keep) AS qw FROM t GROUP BY ALL"""
+    return con.execute(sql).df()
+
+
+def _assert_same(got: pd.DataFrame, ref: pd.DataFrame, keys: list[str]) -> None:
+    merged = got.merge(ref, on=keys, how="outer", validate="one_to_one")
+    assert len(merged) == len(ref) == len(got)
+    for _, row in merged.iterrows():
+        want = [np.nan] * len(LEVELS) if row["qv"] is None else list(row["qv"])
+        for i, expected in enumerate([*want, row["qw"]]):
+            value = row[f"v_{i}"] if i < len(LEVELS) else row["w_0"]
+            expected = np.nan if expected is None else float(expected)
+            if np.isnan(expected):
+                assert np.isnan(value), (row[keys].tolist(), i)
+            else:  # the same order statistics; the interpolation within 2 ulp (one rounding, as DuckDB's)
+                assert abs(value - expected) <= 2 * np.spacing(abs(expected)), (row[keys].tolist(), i, value, expected)
+
+
+def _spy_recompute(monkeypatch) -> list:
+    redone, real = [], Q._recompute
+    monkeypatch.setattr(Q, "_recompute", lambda *a, **k: (redone.append((a[4], a[5].name)), real(*a, **k)))
+    return redone
+
+
+@pytest.mark.parametrize("sample_rows", [500, 20_000, 10**9])
+def test_equal_to_quantile_cont_for_every_key_set(con, sample_rows, monkeypatch):
+    monkeypatch.setattr(Q, "MIN_SAMPLE", 50)  # bracket the big groups even from small samples
+    redone = _spy_recompute(monkeypatch)
+    got = Q.exact_quantiles(con, "SELECT * FROM t", {}, SETS, WANTED, sample_rows=sample_rows)
+    for name, keys in SETS.items():
+        _assert_same(got[name], _reference(con, keys), keys)
+    # the brackets held their ranks: only a = 3, whose top 1 % is NaN (never kept), went to quantile_cont
+    assert set(redone) <= {((3,), "v")}
+
+
+def test_equal_to_numpy_default_quantile(con):
+    got = Q.exact_quantiles(con, "SELECT * FROM t", {}, {"g": ["a", "b"]}, WANTED, sample_rows=5_000)["g"]
+    frame = con.execute("SELECT * FROM t").df()
+    row = got[(got["a"] == 0) & (got["b"] == 0)].iloc[0]
+    values = frame.loc[(frame["a"] == 0) & (frame["b"] == 0), "v"].dropna().to_numpy()
+    np.testing.assert_allclose([row[f"v_{i}"] for i in range(len(LEVELS))], np.quantile(values, LEVELS), rtol=1e-15)
+
+
+def test_a_misplaced_bracket_is_detected_and_recomputed(con, monkeypatch):
+    """A sample that brackets the wrong values (here: the sample's top values for every quantile) must not
+    change a result: the counts show the miss and the group is computed with quantile_cont."""
+    monkeypatch.setattr(Q, "MIN_SAMPLE", 50)
+    monkeypatch.setattr(Q, "_bracket", lambda s, q: (float(s[-3]), float(s[-1])) if len(s) >= 50 else (np.nan, np.nan))
+    redone = _spy_recompute(monkeypatch)
+    got = Q.exact_quantiles(con, "SELECT * FROM t", {}, SETS, WANTED, sample_rows=20_000)
+    assert redone, "no group was recomputed although every bracket sat at the top"
+    for name, keys in SETS.items():
+        _assert_same(got[name], _reference(con, keys), keys)
+
+
+def test_the_pass_keeps_a_small_share_of_a_large_group(con, monkeypatch):
+    """The point of bracketing: on a group of 10^5 rows only the values near the wanted ranks are kept."""
+    kept = {}
+    real = Q._pass
+
+    def spy(*args, **kwargs):
+        out = real(*args, **kwargs)
+        kept["n"] = sum(len(x) for x in out["kept_v"] if x is not None)
+        return out
+
+    monkeypatch.setattr(Q, "_pass", spy)
+    rel = "SELECT a, v, w, keep FROM t WHERE a = 0 AND b = 0 AND v <> 1.0"  # without the block of ties
+    got = Q.exact_quantiles(con, rel, {}, {"a": ["a"]}, WANTED, sample_rows=20_000)["a"]
+    rows = con.execute(f"SELECT count(v) FROM ({rel})").fetchone()[0]
+    assert 0 < kept["n"] < 0.1 * rows
+    ref = con.execute(f"""SELECT a, quantile_cont(v, {list(LEVELS)}) AS qv,
+                                 quantile_cont(w, 0.99) FILTER (WHERE keep) AS qw FROM ({rel}) GROUP BY a""").df()
+    _assert_same(got, ref, ["a"])
+
+
+def test_interpolation_and_selection_edges():
+    assert np.isnan(Q.select(np.array([]), 0, 0, 0.5))  # an empty group
+    assert Q.select(np.array([3.0]), 0, 1, 0.99) == 3.0  # one value
+    assert Q.select(np.array([1.0, 2.0]), 5, 10, 0.5) is None  # the ranks 4 and 5 lie below the bracket
+    assert Q.select(np.array([1.0, 2.0]), 4, 10, 0.5) == pytest.approx(1.5)
+    assert Q.interpolate(1.0, 3.0, 0.25) == 1.5
