@@ -23,7 +23,8 @@ the store:
                mode of analyze: one statement reading the join once (a MATERIALIZED common table
                expression) and computing from it the grid of sums, the per-sequence sums and the clipped
                rows' token counts (UNION ALL BY NAME), with the per-bucket quantiles of both scales
-               exact (quantile_cont, what analyze computes), sampled (reservoir_quantile, DuckDB's
+               exact (quantile_cont: the values analyze computes, by DuckDB's own exact aggregate
+               rather than analyze's bracketing), sampled (reservoir_quantile, DuckDB's
                default sample of 8,192 values a group: an approximation analyze does not use) or left
                out; the pandas roll-ups and the JSON that analyze adds (~0.4 s at 10 M) are not counted.
 Targets (issue): 100 M tokens under 5 minutes and 8 GiB on 2 cores, memory not growing with the token
