@@ -4,7 +4,7 @@ A pass is one GROUP BY over the joined rows. Most statistics are additive (count
 one pass on a fine grid -- (pair, run, step, advantage sign, category, linear mu bucket, log mu bucket)
 -- serves volatility, clipping, precision, violations and the per-step series at once; pandas then rolls
 the grid up. What is not additive gets a pass of its own: the quantiles per mu bucket (both scales in
-one pass), the per-sequence sums, and per token id the ratio-clip counts that rank the token strings
+one pass after a sample: analysis.quantiles), the per-sequence sums, and per token id the ratio-clip counts that rank the token strings
 (read from the clipped rows alone; every sum of the tokens that can reach the top then reads their rows).
 
 `Rows(con, filters)` reads the store live (a standalone analysis call). `Rows(..., materialize=True)`
@@ -331,7 +331,7 @@ class Rows:
         """Per (rollout, scorer, mu bucket of `scale`): quantiles of r (definitions.RATIO_QUANTILES) and the
         99th percentiles of binary TV, top-K TV and the stored exact TV, over finite rows. On a
         materialised row set a default scale is computed together with the other default scale (one
-        pass, GROUPING SETS), as run_all reads both."""
+        pass: analysis.quantiles), as run_all reads both."""
         key = ("quantiles", scale, n_buckets)
         if key not in self._cache:
             scales = [(scale, n_buckets)]
@@ -362,14 +362,13 @@ class Rows:
             {c: ["rollout", "scorer", c] for c in cols}, live,
             sample_rel=f"SELECT *, {buckets} FROM ({sample})", row_bound=self._row_bound(),
         )  # fmt: skip
+        names = dict(zip(wanted[0].columns(), R_QUANTILE_COLUMNS, strict=True)) | {f"{w.name}_0": w.name for w in live[1:]}
         frames = []
-        for c in cols:
-            q = by_set[c].rename(columns={c: "bucket"})
-            q = q.rename(columns=dict(zip(Wanted("r", "", tuple(d.RATIO_QUANTILES)).columns(), R_QUANTILE_COLUMNS,
-                                          strict=True)) | {f"{w.name}_0": w.name for w in live if w.name != "r"})
+        for col in cols:
+            q = by_set[col].rename(columns={col: "bucket", **names})
             for name in set(QUANTILE_COLUMNS) - set(q.columns):
                 q[name] = np.nan
-            frames.append(q[["rollout", "scorer", "bucket", *QUANTILE_COLUMNS]].astype({c: "float64" for c in QUANTILE_COLUMNS}))
+            frames.append(q[["rollout", "scorer", "bucket", *QUANTILE_COLUMNS]].astype(dict.fromkeys(QUANTILE_COLUMNS, "float64")))
         return frames
 
     def _row_bound(self) -> int:
