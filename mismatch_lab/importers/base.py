@@ -300,7 +300,7 @@ def _import_locked(root: Path, run_id: str, fmt: str, module, args, disc: Discov
                             "--rollout-engine/--rollout-dtype/--trainer-dtype as before, or another --run-name")
         row["created_at"] = old["created_at"]
     if old is None or old.get("kind") == "import":  # a killed import's runs-row temp file (no Recorder's)
-        shards.remove_stale_tmp(root, run_id, "rank-00000", tables=())
+        shards.remove_stale_tmp(root, run_id, shards.rank_prefix(0), tables=())
 
     rollout = args.rollout_engine + (f":{args.rollout_dtype}" if args.rollout_dtype else " (dtype not given)")
     summary = Summary(run_id=run_id, store=root, fmt=fmt, scorer=row["config"]["scorer"], rollout=rollout,

@@ -130,7 +130,7 @@ def to_numpy(*tensors):
 def rank_lock(root: Path, run_id: str, rank: int) -> shards.RunLock:
     """The lock an open Recorder of (run, rank) holds (module docstring), not yet acquired."""
     return shards.RunLock(
-        root, run_id, f"record-rank-{rank:05d}", label=f"Recorder of rank {rank}",
+        root, run_id, f"record-{shards.rank_prefix(rank)}", label=f"Recorder of rank {rank}",
         why="give each process its own rank= (or $RANK), or close() the other Recorder first: two writers of "
             "one rank replace each other's steps",
         own="close() it first (a notebook cell run again: close the Recorder the earlier run returned)")  # fmt: skip
@@ -184,7 +184,7 @@ class Recorder:
         self.closed = True  # until the lock is held: __del__ and close() then have nothing to do
         self._lock.acquire()
         try:
-            shards.remove_stale_tmp(self.root, self.run_id, f"rank-{self.rank:05d}")  # a killed writer's
+            shards.remove_stale_tmp(self.root, self.run_id, shards.rank_prefix(self.rank))  # a killed writer's
             shards.write_run_row(self.root, self._row, self.rank)
         except BaseException:
             self._lock.release()
@@ -247,7 +247,7 @@ class Recorder:
         ids = seq_ids(step, self.rank, self._next_index[step], B)
         tables = step_tables(self.run_id, step, ids, a, self.scorer, texts=self._texts)
         part = self._parts[step]
-        name = f"rank-{self.rank:05d}-part-{part:04d}"
+        name = f"{shards.rank_prefix(self.rank)}-part-{part:04d}"
         with shards.Transaction(self.root) as tx:
             for table, data in tables.items():
                 tx.add(table, self.run_id, step, name, data)
@@ -291,7 +291,7 @@ class Recorder:
         return sorted(dropped)
 
     def _drop_rank_after(self, rank: int, step: int) -> set[int]:
-        shards.remove_stale_tmp(self.root, self.run_id, f"rank-{rank:05d}")
+        shards.remove_stale_tmp(self.root, self.run_id, shards.rank_prefix(rank))
         return {s for s in shards.run_steps(self.root, self.run_id)
                 if s > step and shards.drop_rank_step(self.root, self.run_id, s, rank)}
 

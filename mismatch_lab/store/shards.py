@@ -151,9 +151,14 @@ def shard_path(root: Path, table: str, run_id: str, step: int, name: str) -> Pat
     return step_dir(root, table, run_id, step) / f"{name}.parquet"
 
 
+def rank_prefix(rank: int) -> str:
+    """The start of every file name one rank writes ('rank-00003'): its shards and its runs row."""
+    return f"rank-{int(rank):05d}"
+
+
 def run_row_path(root: Path, run_id: str, rank: int) -> Path:
     """The runs row one rank writes for a run (`write_run_row`)."""
-    return root / "runs" / run_id / f"rank-{int(rank):05d}.parquet"
+    return root / "runs" / run_id / f"{rank_prefix(rank)}.parquet"
 
 
 def existing_run(root: Path, run_id: str) -> dict | None:
@@ -211,7 +216,7 @@ def drop_rank_step(root: Path, run_id: str, step: int, rank: int) -> int:
     before it logs the step again, so the step is replaced rather than added to."""
     n = 0
     for table in reversed(COMMIT_ORDER):  # = STEP_TABLES, sequences first
-        for f in sorted(step_dir(root, table, run_id, step).glob(f"rank-{int(rank):05d}-part-*.parquet")):
+        for f in sorted(step_dir(root, table, run_id, step).glob(f"{rank_prefix(rank)}-part-*.parquet")):
             f.unlink()
             n += 1
     return n
@@ -224,7 +229,7 @@ def run_ranks(root: Path, run_id: str) -> list[int]:
 
 def rank_has_shards(root: Path, run_id: str, rank: int) -> bool:
     """Whether rank `rank` has a committed shard of run `run_id` in any step (read from its sequences)."""
-    return any((root / "sequences" / run_id).glob(f"step-*/rank-{int(rank):05d}-part-*.parquet"))
+    return any((root / "sequences" / run_id).glob(f"step-*/{rank_prefix(rank)}-part-*.parquet"))
 
 
 def _tmp(final: Path) -> Path:
