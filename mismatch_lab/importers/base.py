@@ -245,8 +245,8 @@ def _read(module, fmt: str, src: Source, args):
     try:
         yield from module.read(src, args)
     except UserError as exc:
-        hint = "" if "mismatch-lab import" in str(exc) else format_hint(src.path, fmt)
-        if not hint:
+        hint = format_hint(src.path, fmt)
+        if not hint or hint in str(exc):  # no other format fits, or the importer named it already
             raise
         raise UserError(f"{exc}{hint}") from exc
 

@@ -35,6 +35,7 @@ def test_another_frameworks_files_name_the_importer_that_reads_them(cli, inputs,
     assert code == 2 and line.startswith("mismatch-lab import: error:"), err
     for want in wants:
         assert want in line
+    assert line.count("looks like") <= 1  # named once, whether by the importer or by the shared reader
     if what == "empty":
         assert "looks like" not in line  # nothing to recognise: no guess
     assert not (tmp_path / "store").exists()
