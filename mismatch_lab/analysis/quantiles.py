@@ -26,6 +26,7 @@ come from the union ("hull") of the brackets of every group it belongs to.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import uuid
 import warnings
@@ -58,8 +59,12 @@ class Wanted:
     levels: tuple[float, ...]
     where: str = "true"
 
+    def __post_init__(self):
+        object.__setattr__(self, "levels", tuple(float(q) for q in self.levels))
+
     def sql(self) -> str:
-        return self.value if self.where == "true" else f"CASE WHEN {self.where} THEN {self.value} END"
+        value = f"CAST({self.value} AS DOUBLE)"
+        return value if self.where == "true" else f"CASE WHEN {self.where} THEN {value} END"
 
     def columns(self) -> list[str]:
         return [f"{self.name}_{i}" for i in range(len(self.levels))]
@@ -67,8 +72,10 @@ class Wanted:
 
 def interpolate(lo: float, hi: float, d: float) -> float:
     """lo (1 - d) + hi d rounded once, as DuckDB's quantile_cont computes it (bit for bit on x86-64 builds,
-    where the product lo (1 - d) is fused into the addition)."""
-    if d == 0.0 or not (math.isfinite(lo) and math.isfinite(hi)):
+    where the product lo (1 - d) is fused into the addition); lo itself where d = 0 (also for infinities)."""
+    if d == 0.0:
+        return lo
+    if not (math.isfinite(lo) and math.isfinite(hi)):
         return lo * (1.0 - d) + hi * d
     return float(Fraction(lo) * Fraction(1.0 - d) + Fraction(hi * d))
 
@@ -96,44 +103,82 @@ def exact_quantiles(
     row_bound: int | None = None,
     sample_rows: int | None = None,
 ) -> dict[str, pd.DataFrame]:
-    """Per key set (name -> key columns of `rel`): a frame of its keys and every Wanted's columns, one row
-    per group of rel's rows. `sample_rel`: rel as read from a sample, '{sample}' standing where the
-    sample clause goes (default: rel sampled); `row_bound`: at least rel's row count (sets the sample
-    rate; None: counted); `sample_rows`: the sample's expected size (default SAMPLE_ROWS)."""
+    """Per key set (name -> key columns of `rel`: labels or integers; NULL is a key of its own): a frame of
+    its keys and every Wanted's columns, one row per group of rel's rows. Values are read as DOUBLE.
+    `sample_rel`: rel as read from a sample, '{sample}' standing where the sample clause goes (default:
+    rel sampled); `row_bound`: at least rel's row count (sets the sample rate; None: counted);
+    `sample_rows`: the sample's expected size (default SAMPLE_ROWS). Names starting with '_q' are this
+    function's own: neither keys nor parameters may use them."""
     cells = list(dict.fromkeys(k for keys in sets.values() for k in keys))
-    head = f"SELECT {', '.join(cells)}, {', '.join(f'{w.sql()} AS v_{w.name}' for w in wanted)} FROM "
+    _check(con, rel, params, sets, cells)
+    head = f"SELECT {', '.join(cells)}, {', '.join(f'{w.sql()} AS _qv_{w.name}' for w in wanted)} FROM "
     full = f"{head}({rel})"
     if row_bound is None:
         row_bound = con.execute(f"SELECT count(*) FROM ({rel})", _used(rel, params)).fetchone()[0]
-    pct = 100.0 * min(1.0, (sample_rows or SAMPLE_ROWS) / max(row_bound, 1))
+    pct = 100.0 * min(1.0, (SAMPLE_ROWS if sample_rows is None else sample_rows) / max(row_bound, 1))
     clause = f"USING SAMPLE {pct!r} PERCENT (bernoulli, {SEED})"
     sampled = (sample_rel or f"SELECT * FROM ({rel}) {{sample}}").replace("{sample}", clause)
-    sample = f"temp._ml_sample_{uuid.uuid4().hex[:10]}"
-    con.execute(f"CREATE TEMP TABLE {sample.split('.')[1]} AS {head}({sampled})", _used(sampled, params))
+    sample = f"_ml_sample_{uuid.uuid4().hex[:10]}"
+    con.execute(f"CREATE TEMP TABLE {sample} AS {head}({sampled})", _used(sampled, params))
     try:
-        brackets = _brackets(con, sample, sets, wanted)
-        hulls = _hulls(_fetch(con, f"SELECT DISTINCT {', '.join(cells)} FROM {sample}", {}), sets, brackets, wanted)
+        brackets = {s: _brackets(con, f"temp.{sample}", keys, wanted) for s, keys in sets.items()}
+        sampled_cells = _keys(_fetch(con, f"SELECT DISTINCT {', '.join(cells)} FROM temp.{sample}", {}), cells)
     finally:
-        con.execute(f"DROP TABLE IF EXISTS {sample}")
+        with contextlib.suppress(duckdb.Error):  # never hide the error that got here
+            con.execute(f"DROP TABLE IF EXISTS temp.{sample}")
+    hulls = _hulls(sampled_cells, cells, sets, brackets, wanted)
     counted = _pass(con, full, params, cells, wanted, hulls)
-    per_cell = {w.name: _cell_regions(counted, cells, w).merge(hulls, on=cells, how="left") for w in wanted}
-    return {s: _finish(con, full, params, keys, wanted, counted[keys].drop_duplicates(), per_cell, brackets[s])
-            for s, keys in sets.items()}  # fmt: skip
-
-
-def _brackets(con, sample: str, sets: dict[str, list[str]], wanted: list[Wanted]) -> dict[str, pd.DataFrame]:
-    """Per key set, per group of its keys in the sample table: a_{name}_{i}, b_{name}_{i}, NaN where the
-    group keeps every value (fewer than MIN_SAMPLE sampled values)."""
+    cell_keys = _keys(counted, cells)
+    per_cell = {w.name: _cell_regions(counted, cell_keys, w) for w in wanted}
     out = {}
     for s, keys in sets.items():
-        lists = ", ".join(f"list_sort(list(v_{w.name}) FILTER (WHERE NOT isnan(v_{w.name}))) AS s_{w.name}" for w in wanted)
-        frame = _fetch(con, f"SELECT {', '.join(keys)}, {lists} FROM {sample} GROUP BY ALL", {})
-        for w in wanted:
+        pick = [cells.index(k) for k in keys]
+        groups: dict[tuple, list[tuple]] = {}
+        for cell in dict.fromkeys(cell_keys):
+            groups.setdefault(tuple(cell[i] for i in pick), []).append(cell)
+        out[s] = _finish(con, full, params, keys, wanted, groups, per_cell, hulls, brackets[s])
+    return out
+
+
+def _check(con, rel: str, params: dict, sets: dict[str, list[str]], cells: list[str]) -> None:
+    """ValueError for what this module cannot key on: an empty key set, a name of its own, a float key
+    (NaN and NULL would be one key here, two in DuckDB)."""
+    if any(not keys for keys in sets.values()):
+        raise ValueError("every key set needs at least one key column")
+    own = [n for n in [*cells, *params] if n.startswith("_q")]
+    if own:
+        raise ValueError(f"names starting with '_q' are reserved for exact_quantiles: {', '.join(own)}")
+    desc = con.execute(f"DESCRIBE SELECT {', '.join(cells)} FROM ({rel})", _used(rel, params)).fetchall()
+    floats = [r[0] for r in desc if r[1] in ("FLOAT", "DOUBLE") or r[1].startswith("DECIMAL")]
+    if floats:
+        raise ValueError(f"key columns must be labels or integers, not numbers with fractions: {', '.join(floats)}")
+
+
+def _norm(value):
+    """A key value as a dict key: SQL NULL (None, or NaN where pandas made one) as None, numpy scalars as
+    Python ones."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return None
+    return value.item() if isinstance(value, np.generic) else value
+
+
+def _keys(frame: pd.DataFrame, keys: list[str]) -> list[tuple]:
+    """The key tuple of each row of `frame` (_norm values; itertuples keeps each column's own type)."""
+    return [tuple(_norm(v) for v in row) for row in frame[keys].itertuples(index=False, name=None)]
+
+
+def _brackets(con, sample: str, keys: list[str], wanted: list[Wanted]) -> dict[tuple, dict[str, float]]:
+    """Per group of `keys` in the sample table: {a_{name}_{i}, b_{name}_{i}}, NaN where the group keeps
+    every value (fewer than MIN_SAMPLE sampled values)."""
+    lists = ", ".join(f"list_sort(list(_qv_{w.name}) FILTER (WHERE NOT isnan(_qv_{w.name}))) AS _qs_{w.name}"
+                      for w in wanted)  # fmt: skip
+    frame = _fetch(con, f"SELECT {', '.join(keys)}, {lists} FROM {sample} GROUP BY ALL", {})
+    out: dict[tuple, dict[str, float]] = {key: {} for key in _keys(frame, keys)}
+    for w in wanted:
+        for key, values in zip(out, frame[f"_qs_{w.name}"].tolist(), strict=True):
+            v = np.asarray(values if values is not None else [], dtype=np.float64)
             for i, q in enumerate(w.levels):
-                ab = [_bracket(np.asarray(v if v is not None else [], dtype=np.float64), q) for v in frame[f"s_{w.name}"]]
-                frame[f"a_{w.name}_{i}"] = [x[0] for x in ab]
-                frame[f"b_{w.name}_{i}"] = [x[1] for x in ab]
-        out[s] = frame.drop(columns=[f"s_{w.name}" for w in wanted])
+                out[key][f"a_{w.name}_{i}"], out[key][f"b_{w.name}_{i}"] = _bracket(v, q)
     return out
 
 
@@ -148,27 +193,23 @@ def _bracket(sorted_sample: np.ndarray, q: float) -> tuple[float, float]:
     return (float(sorted_sample[lo]) if lo >= 0 else -math.inf, float(sorted_sample[hi]) if hi < m else math.inf)
 
 
-def _hulls(cells: pd.DataFrame, sets: dict[str, list[str]], brackets: dict, wanted: list[Wanted]) -> pd.DataFrame:
-    """Per sampled cell and Wanted: the disjoint sorted intervals lo_{name}_{j}, hi_{name}_{j} (j from 1,
-    NaN-padded to the number of levels) covering every bracket of the groups the cell belongs to; a
-    group without a bracket makes it (-inf, inf)."""
-    frame = cells.reset_index(drop=True)
-    for s, keys in sets.items():
-        frame = frame.merge(brackets[s].add_suffix(f"@{s}").rename(columns={f"{k}@{s}": k for k in keys}),
-                            on=keys, how="left")  # fmt: skip
-    for w in wanted:
-        merged = []
-        for _, row in frame.iterrows():
+def _hulls(sampled: list[tuple], cells: list[str], sets: dict[str, list[str]], brackets: dict,
+           wanted: list[Wanted]) -> dict[tuple, dict[str, list[tuple[float, float]]]]:  # fmt: skip
+    """Per sampled cell, per Wanted: the disjoint sorted intervals covering every bracket of the groups the
+    cell belongs to ((-inf, inf) where one of them keeps every value). A cell not sampled has none: its
+    rows all fall in region 1 (kept)."""
+    out = {}
+    for cell in sampled:
+        groups = [brackets[s].get(tuple(cell[cells.index(k)] for k in keys), {}) for s, keys in sets.items()]
+        out[cell] = {}
+        for w in wanted:
             spans = []
             for i in range(len(w.levels)):
-                a = [row[f"a_{w.name}_{i}@{s}"] for s in sets]
-                b = [row[f"b_{w.name}_{i}@{s}"] for s in sets]
-                spans.append((-math.inf, math.inf) if any(pd.isna(x) for x in a) else (min(a), max(b)))
-            merged.append(_merge(spans))
-        for j in range(len(w.levels)):
-            frame[f"lo_{w.name}_{j + 1}"] = [m[j][0] if j < len(m) else np.nan for m in merged]
-            frame[f"hi_{w.name}_{j + 1}"] = [m[j][1] if j < len(m) else np.nan for m in merged]
-    return frame[[*cells.columns, *(c for c in frame.columns if c.startswith(("lo_", "hi_")))]]
+                a = [g.get(f"a_{w.name}_{i}", math.nan) for g in groups]
+                b = [g.get(f"b_{w.name}_{i}", math.nan) for g in groups]
+                spans.append((-math.inf, math.inf) if any(math.isnan(x) for x in a) else (min(a), max(b)))
+            out[cell][w.name] = _merge(spans)
+    return out
 
 
 def _merge(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -182,111 +223,130 @@ def _merge(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
 
 
 def _region(w: Wanted, n: int) -> str:
-    """SQL: the region of v_{name} among its cell's intervals: 2j - 1 inside interval j, 2j - 2 below it
-    (above the one before), 2n above all; 1 (keep) where the cell has no intervals; NULL for NULL."""
-    v = f"v_{w.name}"
-    whens = [f"WHEN h.lo_{w.name}_1 IS NULL THEN 1"]
+    """SQL: the region of _qv_{name} among its cell's intervals: 2j - 1 inside interval j, 2j - 2 below it
+    (above the one before), 2n above all (NaN too: DuckDB orders it last); 1 (kept) where the cell has no
+    intervals; NULL for NULL."""
+    v, lo, hi = f"_qv_{w.name}", f"h._qlo_{w.name}", f"h._qhi_{w.name}"
+    whens = [f"WHEN {lo}_1 IS NULL THEN 1"]
     for j in range(1, n + 1):
-        whens += [f"WHEN {v} < h.lo_{w.name}_{j} THEN {2 * j - 2}", f"WHEN {v} <= h.hi_{w.name}_{j} THEN {2 * j - 1}"]
+        whens += [f"WHEN {v} < {lo}_{j} THEN {2 * j - 2}", f"WHEN {v} <= {hi}_{j} THEN {2 * j - 1}"]
     return f"CASE WHEN {v} IS NULL THEN NULL {' '.join(whens)} ELSE {2 * n} END"
 
 
-def _pass(con, full: str, params: dict, cells: list[str], wanted: list[Wanted], hulls: pd.DataFrame) -> pd.DataFrame:
-    """One GROUP BY (cell, region of each Wanted): the row count n and, per Wanted, the values kept."""
+def _pass(con, full: str, params: dict, cells: list[str], wanted: list[Wanted], hulls: dict) -> pd.DataFrame:
+    """One GROUP BY (cell, region of each Wanted): the row count _qn and, per Wanted, the values kept."""
     table = f"_ml_hulls_{uuid.uuid4().hex[:10]}"
-    con.register(table, hulls)
+    columns: dict[str, list] = {c: [cell[i] for cell in hulls] for i, c in enumerate(cells)}
+    for w in wanted:
+        for j in range(len(w.levels)):
+            for end, name in ((0, "_qlo"), (1, "_qhi")):
+                columns[f"{name}_{w.name}_{j + 1}"] = [
+                    h[w.name][j][end] if j < len(h[w.name]) else None for h in hulls.values()]  # fmt: skip
+    frame = pd.DataFrame(columns)
+    for c in cells:
+        frame[c] = frame[c].astype(object)  # None stays None (NULL), integers stay integers
+    con.register(table, frame)
     try:
         desc = con.execute(f"DESCRIBE SELECT {', '.join(cells)} FROM ({full})", _used(full, params)).fetchall()
-        # cast to the row set's key types, so that ENUM labels compare as integers
+        # cast to the row set's key types, so that ENUM labels compare as integers; NULL keys join NULL keys
         cast = ", ".join([f"CAST({r[0]} AS {r[1]}) AS {r[0]}" for r in desc] + [f"* EXCLUDE ({', '.join(cells)})"])
-        regions = ", ".join(f"{_region(w, len(w.levels))} AS g_{w.name}" for w in wanted)
-        kept = ", ".join(f"list(v_{w.name}) FILTER (WHERE g_{w.name} % 2 = 1) AS kept_{w.name}" for w in wanted)
-        sql = f"""SELECT {', '.join(cells)}, {', '.join(f'g_{w.name}' for w in wanted)}, count(*) AS n, {kept}
-                  FROM (SELECT x.*, {regions} FROM ({full}) x
-                        LEFT JOIN (SELECT {cast} FROM {table}) h USING ({', '.join(cells)}))
+        on = " AND ".join(f"x.{c} IS NOT DISTINCT FROM h.{c}" for c in cells)
+        regions = ", ".join(f"{_region(w, len(w.levels))} AS _qg_{w.name}" for w in wanted)
+        kept = ", ".join(f"list(_qv_{w.name}) FILTER (WHERE _qg_{w.name} % 2 = 1) AS _qkept_{w.name}" for w in wanted)
+        sql = f"""SELECT {', '.join(cells)}, {', '.join(f'_qg_{w.name}' for w in wanted)}, count(*) AS _qn, {kept}
+                  FROM (SELECT x.*, {regions} FROM ({full}) x LEFT JOIN (SELECT {cast} FROM {table}) h ON {on})
                   GROUP BY ALL"""
         return _fetch(con, sql, params)
     finally:
         con.unregister(table)
 
 
-def _finish(con, full: str, params: dict, keys: list[str], wanted: list[Wanted], groups_present: pd.DataFrame,
-            per_cell: dict[str, pd.DataFrame], brackets: pd.DataFrame) -> pd.DataFrame:  # fmt: skip
-    """The quantiles of one key set (its groups: `groups_present`) from the pass (module docstring, step 3);
-    per_cell: per Wanted, _cell_regions joined with the hulls."""
-    out = groups_present.reset_index(drop=True).merge(brackets, on=keys, how="left")
-    redo = []
-    for w in wanted:
-        groups = {_tuple(k): g for k, g in per_cell[w.name].groupby(keys, dropna=False, sort=False)}
-        for c in w.columns():
-            out[c] = np.nan
-        for idx, row in out.iterrows():
-            key = tuple(row[k] for k in keys)
-            part = groups.get(key)
-            if part is None:
-                continue
-            n = int(part["n"].sum())
+@dataclass
+class _Cell:
+    """One cell's rows for one Wanted: counts per region (rows with a value), and its kept values, sorted."""
+
+    counts: dict[int, int]
+    kept: np.ndarray
+
+    @property
+    def n(self) -> int:
+        return sum(self.counts.values())
+
+
+def _cell_regions(counted: pd.DataFrame, cell_keys: list[tuple], w: Wanted) -> dict[tuple, _Cell]:
+    counts: dict[tuple, dict[int, int]] = {}
+    lists: dict[tuple, list[np.ndarray]] = {}
+    regions, ns, kept = counted[f"_qg_{w.name}"].tolist(), counted["_qn"].tolist(), counted[f"_qkept_{w.name}"]
+    for cell, g, n, values in zip(cell_keys, regions, ns, kept, strict=True):
+        if _norm(g) is None:  # rows without a value
+            continue
+        c = counts.setdefault(cell, {})
+        c[int(g)] = c.get(int(g), 0) + int(n)
+        if values is not None and len(values):
+            lists.setdefault(cell, []).append(np.asarray(values, dtype=np.float64))
+    return {cell: _Cell(c, np.sort(np.concatenate(lists[cell])) if cell in lists else np.empty(0))
+            for cell, c in counts.items()}  # fmt: skip
+
+
+def _finish(con, full: str, params: dict, keys: list[str], wanted: list[Wanted], groups: dict[tuple, list[tuple]],
+            per_cell: dict[str, dict[tuple, _Cell]], hulls: dict, brackets: dict) -> pd.DataFrame:  # fmt: skip
+    """The quantiles of one key set (groups: its key tuple -> its cells) from the pass (module docstring,
+    step 3)."""
+    rows = []
+    for key, group_cells in groups.items():
+        row = dict(zip(keys, key, strict=True))
+        for w in wanted:
+            parts = [(per_cell[w.name][c], hulls.get(c, {}).get(w.name)) for c in group_cells if c in per_cell[w.name]]
+            n = sum(cell.n for cell, _ in parts)
             for i, q in enumerate(w.levels):
-                a, b = row[f"a_{w.name}_{i}"], row[f"b_{w.name}_{i}"]
-                a, b = (-math.inf, math.inf) if pd.isna(a) else (a, b)
-                below, inside = _below_inside(part, w, a, b)
+                a = brackets.get(key, {}).get(f"a_{w.name}_{i}", math.nan)
+                b = brackets.get(key, {}).get(f"b_{w.name}_{i}", math.nan)
+                a, b = (-math.inf, math.inf) if math.isnan(a) else (a, b)
+                below, inside = _below_inside(parts, a, b)
                 got = select(inside, below, n, q)
+                row[f"{w.name}_{i}"] = math.nan if got is None else got
                 if got is None:
-                    redo.append((idx, key, w))
-                out.loc[idx, f"{w.name}_{i}"] = got
-    for idx, key, w in dict.fromkeys(redo):
-        _recompute(con, full, params, keys, key, w, out, idx)
-    return out[[*keys, *(c for w in wanted for c in w.columns())]]
+                    row.setdefault("_redo", []).append(w)
+        rows.append(row)
+    for row in rows:
+        for w in dict.fromkeys(row.pop("_redo", [])):
+            row.update(zip(w.columns(), _recompute(con, full, params, keys, [row[k] for k in keys], w), strict=True))
+    return pd.DataFrame(rows, columns=[*keys, *(c for w in wanted for c in w.columns())])
 
 
-def _cell_regions(counted: pd.DataFrame, cells: list[str], w: Wanted) -> pd.DataFrame:
-    """Per cell: n (rows with a value), counts (region -> rows) and kept (the kept values), for one Wanted."""
-    rows = counted[counted[f"g_{w.name}"].notna()]
-    out = []
-    for key, part in rows.groupby(cells, dropna=False, sort=False):
-        counts = part.groupby(f"g_{w.name}")["n"].sum().to_dict()
-        lists = [np.asarray(x, dtype=np.float64) for x in part[f"kept_{w.name}"] if x is not None and len(x)]
-        kept = np.sort(np.concatenate(lists)) if lists else np.empty(0)
-        out.append({**dict(zip(cells, _tuple(key), strict=True)), "n": sum(counts.values()), "counts": counts, "kept": kept})
-    return pd.DataFrame(out, columns=[*cells, "n", "counts", "kept"])
-
-
-def _below_inside(part: pd.DataFrame, w: Wanted, a: float, b: float) -> tuple[int, np.ndarray]:
-    """Over the cells of one group: the values below a, and the sorted kept values in [a, b]."""
+def _below_inside(parts: list[tuple[_Cell, list | None]], a: float, b: float) -> tuple[int, np.ndarray]:
+    """Over the cells of one group (each with its intervals, None where it has none and kept every value):
+    the count of values below a, and the sorted kept values in [a, b]."""
     below, inside = 0, []
-    for _, cell in part.iterrows():
-        j = 1  # the cell's interval holding [a, b] (a cell without intervals keeps all: interval 1)
-        while not pd.isna(cell.get(f"lo_{w.name}_{j + 1}", np.nan)) and cell[f"lo_{w.name}_{j + 1}"] <= a:
+    for cell, intervals in parts:
+        j = 1  # the interval holding [a, b]: the last starting at or below a (a cell without any: interval 1)
+        while intervals and j < len(intervals) and intervals[j][0] <= a:
             j += 1
-        lo = cell.get(f"lo_{w.name}_{j}", np.nan)
-        kept, start = cell["kept"], np.searchsorted(cell["kept"], -math.inf if pd.isna(lo) else lo, side="left")
+        start = np.searchsorted(cell.kept, intervals[j - 1][0] if intervals else -math.inf, side="left")
         # rows of the regions below interval j, then the kept values of interval j below a
-        below += sum(c for g, c in cell["counts"].items() if g <= 2 * j - 2)
-        below += int(np.searchsorted(kept, a, side="left") - start)
-        inside.append(kept[np.searchsorted(kept, a, side="left"):np.searchsorted(kept, b, side="right")])
+        below += sum(c for g, c in cell.counts.items() if g <= 2 * j - 2)
+        first = np.searchsorted(cell.kept, a, side="left")
+        below += int(first - start)
+        inside.append(cell.kept[first:np.searchsorted(cell.kept, b, side="right")])
     return below, np.sort(np.concatenate(inside)) if inside else np.empty(0)
 
 
-def _recompute(con, full: str, params: dict, keys: list[str], key: tuple, w: Wanted, out: pd.DataFrame, idx) -> None:
-    """quantile_cont for one group whose bracket missed (rare), written into out's row idx."""
-    cond = " AND ".join(f"{k} IS NOT DISTINCT FROM $k{j}" for j, k in enumerate(keys))
-    sql = f"SELECT quantile_cont(v_{w.name}, {list(w.levels)}) FROM ({full}) WHERE {cond}"
-    args = params | {f"k{j}": (None if pd.isna(v) else v) for j, v in enumerate(key)}
+def _recompute(con, full: str, params: dict, keys: list[str], key: list, w: Wanted) -> list[float]:
+    """quantile_cont of one Wanted for one group whose bracket missed (rare)."""
+    cond = " AND ".join(f"{k} IS NOT DISTINCT FROM $_qk{j}" for j, k in enumerate(keys))
+    sql = f"SELECT quantile_cont(_qv_{w.name}, {list(w.levels)}) FROM ({full}) WHERE {cond}"
+    args = params | {f"_qk{j}": v for j, v in enumerate(key)}
     (qs,) = con.execute(sql, _used(sql, args)).fetchone()
-    for col, v in zip(w.columns(), qs or [None] * len(w.levels), strict=True):
-        out.loc[idx, col] = math.nan if v is None else v
-
-
-def _tuple(key) -> tuple:
-    return key if isinstance(key, tuple) else (key,)
+    return [math.nan if v is None else float(v) for v in (qs or [None] * len(w.levels))]
 
 
 def _fetch(con, sql: str, params: dict) -> pd.DataFrame:
-    """Run SQL into pandas through Arrow (lists of values ~5x faster than .df()), ENUM labels as str."""
+    """Run SQL into pandas through Arrow (lists of values ~5x faster than .df()); ENUM labels as str,
+    integer columns with NULLs as Python ints and None."""
     result = con.execute(sql, _used(sql, params))
     with warnings.catch_warnings():  # the copy Arrow makes of a DB-API result costs less than .df()
         warnings.filterwarnings("ignore", "Arrow output on a DB-API result", UserWarning)
-        df = result.to_arrow_table().to_pandas()
+        df = result.to_arrow_table().to_pandas(integer_object_nulls=True)
     for c in df.select_dtypes("category").columns:
         df[c] = df[c].astype(object)
     return df
