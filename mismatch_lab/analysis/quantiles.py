@@ -61,6 +61,8 @@ class Wanted:
 
     def __post_init__(self):
         object.__setattr__(self, "levels", tuple(float(q) for q in self.levels))
+        if not self.levels or not all(0.0 <= q <= 1.0 for q in self.levels):
+            raise ValueError(f"{self.name}: quantile levels must be at least one number in [0, 1], got {self.levels}")
 
     def sql(self) -> str:
         value = f"CAST({self.value} AS DOUBLE)"
@@ -103,7 +105,7 @@ def exact_quantiles(
     row_bound: int | None = None,
     sample_rows: int | None = None,
 ) -> dict[str, pd.DataFrame]:
-    """Per key set (name -> key columns of `rel`: labels or integers; NULL is a key of its own): a frame of
+    """Per key set (name -> key columns of `rel`: labels, integers or dates; NULL is a key of its own): a frame of
     its keys and every Wanted's columns, one row per group of rel's rows. Values are read as DOUBLE.
     `sample_rel`: rel as read from a sample, '{sample}' standing where the sample clause goes (default:
     rel sampled); `row_bound`: at least rel's row count (sets the sample rate; None: counted);
@@ -119,7 +121,7 @@ def exact_quantiles(
     clause = f"USING SAMPLE {pct!r} PERCENT (bernoulli, {SEED})"
     sampled = (sample_rel or f"SELECT * FROM ({rel}) {{sample}}").replace("{sample}", clause)
     sample = f"_ml_sample_{uuid.uuid4().hex[:10]}"
-    con.execute(f"CREATE TEMP TABLE {sample} AS {head}({sampled})", _used(sampled, params))
+    con.execute(f"CREATE TEMP TABLE {sample} AS {head}({sampled})", _used(head + sampled, params))
     try:
         brackets = {s: _brackets(con, f"temp.{sample}", keys, wanted) for s, keys in sets.items()}
         sampled_cells = _keys(_fetch(con, f"SELECT DISTINCT {', '.join(cells)} FROM temp.{sample}", {}), cells)
@@ -142,16 +144,16 @@ def exact_quantiles(
 
 def _check(con, rel: str, params: dict, sets: dict[str, list[str]], cells: list[str]) -> None:
     """ValueError for what this module cannot key on: an empty key set, a name of its own, a float key
-    (NaN and NULL would be one key here, two in DuckDB)."""
+    (NaN and NULL would be one key here, two in DuckDB), an interval key (it does not come back from pandas)."""
     if any(not keys for keys in sets.values()):
         raise ValueError("every key set needs at least one key column")
     own = [n for n in [*cells, *params] if n.startswith("_q")]
     if own:
         raise ValueError(f"names starting with '_q' are reserved for exact_quantiles: {', '.join(own)}")
     desc = con.execute(f"DESCRIBE SELECT {', '.join(cells)} FROM ({rel})", _used(rel, params)).fetchall()
-    floats = [r[0] for r in desc if r[1] in ("FLOAT", "DOUBLE") or r[1].startswith("DECIMAL")]
-    if floats:
-        raise ValueError(f"key columns must be labels or integers, not numbers with fractions: {', '.join(floats)}")
+    odd = [r[0] for r in desc if r[1] in ("FLOAT", "DOUBLE", "INTERVAL") or r[1].startswith("DECIMAL")]
+    if odd:
+        raise ValueError(f"key columns must be labels, integers or dates, not fractions or intervals: {', '.join(odd)}")
 
 
 def _norm(value):
@@ -236,16 +238,14 @@ def _region(w: Wanted, n: int) -> str:
 def _pass(con, full: str, params: dict, cells: list[str], wanted: list[Wanted], hulls: dict) -> pd.DataFrame:
     """One GROUP BY (cell, region of each Wanted): the row count _qn and, per Wanted, the values kept."""
     table = f"_ml_hulls_{uuid.uuid4().hex[:10]}"
-    columns: dict[str, list] = {c: [cell[i] for cell in hulls] for i, c in enumerate(cells)}
+    # keys as object columns: a None among integers would make pandas round them through float64
+    columns: dict[str, pd.Series] = {c: pd.Series([cell[i] for cell in hulls], dtype=object) for i, c in enumerate(cells)}
     for w in wanted:
         for j in range(len(w.levels)):
             for end, name in ((0, "_qlo"), (1, "_qhi")):
                 columns[f"{name}_{w.name}_{j + 1}"] = [
                     h[w.name][j][end] if j < len(h[w.name]) else None for h in hulls.values()]  # fmt: skip
-    frame = pd.DataFrame(columns)
-    for c in cells:
-        frame[c] = frame[c].astype(object)  # None stays None (NULL), integers stay integers
-    con.register(table, frame)
+    con.register(table, pd.DataFrame(columns))
     try:
         desc = con.execute(f"DESCRIBE SELECT {', '.join(cells)} FROM ({full})", _used(full, params)).fetchall()
         # cast to the row set's key types, so that ENUM labels compare as integers; NULL keys join NULL keys
@@ -292,9 +292,9 @@ def _finish(con, full: str, params: dict, keys: list[str], wanted: list[Wanted],
             per_cell: dict[str, dict[tuple, _Cell]], hulls: dict, brackets: dict) -> pd.DataFrame:  # fmt: skip
     """The quantiles of one key set (groups: its key tuple -> its cells) from the pass (module docstring,
     step 3)."""
-    rows = []
+    rows, redo = [], []
     for key, group_cells in groups.items():
-        row = dict(zip(keys, key, strict=True))
+        row: dict = {}
         for w in wanted:
             parts = [(per_cell[w.name][c], hulls.get(c, {}).get(w.name)) for c in group_cells if c in per_cell[w.name]]
             n = sum(cell.n for cell, _ in parts)
@@ -306,12 +306,14 @@ def _finish(con, full: str, params: dict, keys: list[str], wanted: list[Wanted],
                 got = select(inside, below, n, q)
                 row[f"{w.name}_{i}"] = math.nan if got is None else got
                 if got is None:
-                    row.setdefault("_redo", []).append(w)
+                    redo.append((len(rows), key, w))
         rows.append(row)
-    for row in rows:
-        for w in dict.fromkeys(row.pop("_redo", [])):
-            row.update(zip(w.columns(), _recompute(con, full, params, keys, [row[k] for k in keys], w), strict=True))
-    return pd.DataFrame(rows, columns=[*keys, *(c for w in wanted for c in w.columns())])
+    for at, key, w in dict.fromkeys(redo):
+        rows[at].update(zip(w.columns(), _recompute(con, full, params, keys, list(key), w), strict=True))
+    # keys as object columns (None for NULL, integers exact, labels as str), values as float64
+    out = pd.DataFrame({k: pd.Series([key[i] for key in groups], dtype=object) for i, k in enumerate(keys)})
+    values = pd.DataFrame(rows, columns=[c for w in wanted for c in w.columns()], dtype="float64")
+    return pd.concat([out, values], axis=1)
 
 
 def _below_inside(parts: list[tuple[_Cell, list | None]], a: float, b: float) -> tuple[int, np.ndarray]:

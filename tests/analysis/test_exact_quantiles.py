@@ -157,11 +157,19 @@ def test_null_and_wide_integer_keys_are_groups_of_their_own(monkeypatch):
                           "big": np.where(np.arange(2 * n) % 2 == 0, 2**60, 2**60 + 1), "v": rng.random(2 * n)})
     c = duckdb.connect()
     c.register("frame", frame)
-    c.execute("CREATE TABLE t AS SELECT label::VARCHAR AS label, i::INTEGER AS i, big::BIGINT AS big, v FROM frame")
+    # bign: integers 2**53 + 1 apart from 2**53 only by one, beside NULLs (pandas would round them via float64)
+    c.execute("""CREATE TABLE t AS SELECT label::VARCHAR AS label, i::INTEGER AS i, big::BIGINT AS big,
+                 CASE WHEN i IS NULL THEN NULL WHEN big % 2 = 0 THEN 9007199254740992 ELSE 9007199254740993 END::BIGINT
+                 AS bign, v FROM frame""")
+    sets = {"label": ["label"], "i": ["i"], "big": ["big"], "bign": ["bign"], "_redo": ["label"]}
     for levels in [(0.05,), (0.05, 0.5, 0.99)]:  # a single low level once hid a miscounted NULL cell
-        redone = _compare(c, "SELECT * FROM t", {"label": ["label"], "i": ["i"], "big": ["big"]},
-                          [Q.Wanted("v", "v", levels)], monkeypatch, sample_rows=2_000)  # fmt: skip
+        redone = _compare(c, "SELECT *, label AS _redo FROM t", sets, [Q.Wanted("v", "v", levels)], monkeypatch,
+                          sample_rows=2_000)  # fmt: skip
         assert redone == [], "a NULL key's brackets missed: its rows were counted in the wrong cell"
+    got = Q.exact_quantiles(c, "SELECT * FROM t", {}, {"bign": ["bign"]}, [Q.Wanted("v", "v", (0.5,))])["bign"]
+    assert sorted(got["bign"].dropna().tolist()) == [9007199254740992, 9007199254740993]  # exact, apart
+    labels = Q.exact_quantiles(c, "SELECT * FROM t", {}, {"label": ["label"]}, [Q.Wanted("v", "v", (0.5,))])["label"]
+    assert labels["label"].dtype == object and labels["v_0"].dtype == np.float64
 
 
 def test_infinite_values_at_the_wanted_ranks(monkeypatch):
@@ -207,10 +215,22 @@ def test_rows_with_every_rollout_label_null(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize(("sets", "params", "message"), [
     ({"all": []}, {}, "at least one key column"),
-    ({"f": ["w"]}, {}, "labels or integers"),
+    ({"f": ["w"]}, {}, "labels, integers or dates"),
     ({"a": ["a"]}, {"_qk0": 1}, "reserved"),
 ])  # fmt: skip
 def test_what_cannot_be_keyed_is_refused(con, sets, params, message):
     rel = "SELECT * FROM t" + (" WHERE a < $_qk0" if params else "")
     with pytest.raises(ValueError, match=message):
         Q.exact_quantiles(con, rel, params, sets, WANTED)
+
+
+def test_parameters_reach_every_query_and_levels_are_checked(con):
+    """A $parameter read by a Wanted's filter reaches the sample too; a Wanted needs levels in [0, 1]."""
+    wanted = [Q.Wanted("v", "v", [0.5], where="w > $cut")]  # a list of levels is taken as a tuple
+    got = Q.exact_quantiles(con, "SELECT * FROM t", {"cut": 0.5}, {"a": ["a"]}, wanted)["a"]
+    ref = dict(con.execute("SELECT a, quantile_cont(v, 0.5) FILTER (WHERE w > 0.5) FROM t GROUP BY a").fetchall())
+    for a, v in zip(got["a"], got["v_0"], strict=True):
+        assert (np.isnan(v) and ref[a] is None) or abs(v - ref[a]) <= 2 * np.spacing(abs(ref[a]))
+    for levels in [(), (1.5,)]:
+        with pytest.raises(ValueError, match="levels"):
+            Q.Wanted("v", "v", levels)
