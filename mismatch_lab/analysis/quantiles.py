@@ -119,15 +119,8 @@ def exact_quantiles(
         row_bound = con.execute(f"SELECT count(*) FROM ({rel})", _used(rel, params)).fetchone()[0]
     pct = 100.0 * min(1.0, (SAMPLE_ROWS if sample_rows is None else sample_rows) / max(row_bound, 1))
     clause = f"USING SAMPLE {pct!r} PERCENT (bernoulli, {SEED})"
-    sampled = (sample_rel or f"SELECT * FROM ({rel}) {{sample}}").replace("{sample}", clause)
-    sample = f"_ml_sample_{uuid.uuid4().hex[:10]}"
-    con.execute(f"CREATE TEMP TABLE {sample} AS {head}({sampled})", _used(head + sampled, params))
-    try:
-        brackets = {s: _brackets(con, f"temp.{sample}", keys, wanted) for s, keys in sets.items()}
-        sampled_cells = _keys(_fetch(con, f"SELECT DISTINCT {', '.join(cells)} FROM temp.{sample}", {}), cells)
-    finally:
-        with contextlib.suppress(duckdb.Error):  # never hide the error that got here
-            con.execute(f"DROP TABLE IF EXISTS temp.{sample}")
+    sampled = f"{head}({(sample_rel or f'SELECT * FROM ({rel}) {{sample}}').replace('{sample}', clause)})"
+    brackets, sampled_cells = _from_sample(con, sampled, params, sets, cells, wanted)
     hulls = _hulls(sampled_cells, cells, sets, brackets, wanted)
     counted = _pass(con, full, params, cells, wanted, hulls)
     cell_keys = _keys(counted, cells)
@@ -135,11 +128,25 @@ def exact_quantiles(
     out = {}
     for s, keys in sets.items():
         pick = [cells.index(k) for k in keys]
-        groups: dict[tuple, list[tuple]] = {}
+        groups: dict[tuple, list[tuple]] = {}  # the set's key -> its cells
         for cell in dict.fromkeys(cell_keys):
             groups.setdefault(tuple(cell[i] for i in pick), []).append(cell)
         out[s] = _finish(con, full, params, keys, wanted, groups, per_cell, hulls, brackets[s])
     return out
+
+
+def _from_sample(con, sampled: str, params: dict, sets: dict[str, list[str]], cells: list[str],
+                 wanted: list[Wanted]) -> tuple[dict[str, dict], list[tuple]]:  # fmt: skip
+    """Step 1: the sample drawn once into a temporary table; per key set its groups' brackets, and the
+    sampled cells."""
+    sample = f"_ml_sample_{uuid.uuid4().hex[:10]}"
+    con.execute(f"CREATE TEMP TABLE {sample} AS {sampled}", _used(sampled, params))
+    try:
+        brackets = {s: _brackets(con, f"temp.{sample}", keys, wanted) for s, keys in sets.items()}
+        return brackets, _keys(_fetch(con, f"SELECT DISTINCT {', '.join(cells)} FROM temp.{sample}", {}), cells)
+    finally:
+        with contextlib.suppress(duckdb.Error):  # never hide the error that got here
+            con.execute(f"DROP TABLE IF EXISTS temp.{sample}")
 
 
 def _check(con, rel: str, params: dict, sets: dict[str, list[str]], cells: list[str]) -> None:
