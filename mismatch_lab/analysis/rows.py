@@ -4,8 +4,9 @@ A pass is one GROUP BY over the joined rows. Most statistics are additive (count
 one pass on a fine grid -- (pair, run, step, advantage sign, category, linear mu bucket, log mu bucket)
 -- serves volatility, clipping, precision, violations and the per-step series at once; pandas then rolls
 the grid up. What is not additive gets a pass of its own: the quantiles per mu bucket (both scales in
-one pass after a sample: analysis.quantiles), the per-sequence sums, and per token id the ratio-clip counts that rank the token strings
-(read from the clipped rows alone; every sum of the tokens that can reach the top then reads their rows).
+one pass after a sample: analysis.quantiles), the per-sequence sums, and per token id the ratio-clip
+counts that rank the token strings (read from the clipped rows alone; every sum of the tokens that can
+reach the top then reads their rows).
 
 `Rows(con, filters)` reads the store live (a standalone analysis call). `Rows(..., materialize=True)`
 (what `run_all` uses) first joins tokens and scores once into a temporary table, label columns as
@@ -123,7 +124,6 @@ DEFAULT_BUCKETS = (("linear", d.N_LINEAR_BUCKETS), ("log", d.N_LOG_BUCKETS))
 R_QUANTILE_COLUMNS = [f"r_p{round(q * 100):02d}" for q in d.RATIO_QUANTILES]  # r_p01 r_p05 r_p50 r_p95 r_p99
 QUANTILE_COLUMNS = [*R_QUANTILE_COLUMNS, "binary_tv_p99", "topk_tv_p99", "tv_exact_vs_ref_p99"]
 """The statistics of Rows.quantiles (besides its keys rollout, scorer, bucket)."""
-
 
 
 class Rows:
