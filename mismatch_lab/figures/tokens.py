@@ -123,7 +123,7 @@ def fig2_precision_scatter(con: duckdb.DuckDBPyConnection, rows: Rows | None = N
     fig, axes = panel_figure(2, len(pairs), colorbar=True, hgap=1.0)
     m = None
     vmax = float(h["c"].max())
-    n_seq = 0
+    drawn: list[pd.Series] = []  # the response lengths of the sequences drawn, per pair
     for ax, ax2, (ro, sc) in zip(axes[0], axes[1], pairs):
         m = mesh(ax, h[(h["rollout"] == ro) & (h["scorer"] == sc)], (0.0, 1.0), (0.0, 1.0), vmax)
         ax.plot([0, 1], [0, 1], color="tab:red", lw=0.6, ls="--", label="π = μ")
@@ -139,7 +139,7 @@ def fig2_precision_scatter(con: duckdb.DuckDBPyConnection, rows: Rows | None = N
         if g.empty:
             ax2.remove()
             continue
-        n_seq += len(g)
+        drawn.append(g["response_len"])
         ax2.scatter(g["response_len"], g["logratio_sum"], s=5, alpha=0.35, color=DTYPE_COLORS.get(dtype_of(ro), "k"),
                     rasterized=True, label="sequences")
         slope, icpt = p["seq_logratio_slope_per_1k"], p["seq_logratio_intercept"]
@@ -157,17 +157,18 @@ def fig2_precision_scatter(con: duckdb.DuckDBPyConnection, rows: Rows | None = N
         ax2.set_ylabel("Σ_t log(π/μ) per sequence (nats)", fontsize=8)
         ax2.tick_params(labelsize=7)
         ax2.legend(fontsize=6)
+    lengths = pd.concat(drawn) if drawn else pd.Series(dtype=float)
     caption = (
         f"Top: trainer-side probability π against rollout probability μ of the same sampled token ({WEIGHTS_NOTE}), "
         f"every stored response token of the collect, recorded and imported runs (n = {int(n_tok[pairs].sum()):,} finite (token, scorer) rows over "
         f"{len(pairs)} pairs; {SCORERS_NOTE}: collect runs' rollout dtypes scored by hf:fp32 where stored, else by "
         "the HF scorer of their own dtype); shading: "
         "tokens per cell (log scale); dashed: π = μ. Bottom: per sequence without a non-finite token "
-        f"(n = {n_seq:,} sequences), the sum over the response of log π − log μ (log of the sequence-level ratio) "
+        f"(n = {len(lengths):,} sequences), the sum over the response of log π − log μ (log of the sequence-level ratio) "
         "against response length, with its least-squares fit (solid) and the fit through the origin (dashed, "
         "the drift rate), each with its 95 % t-interval in brackets (FP16 paper: BF16 ≈ −1.0, FP16 ≈ −0.07 nats "
         "per 1K tokens); 'seq. KL k1' is the mean over sequences of "
-        f"Σ_t (log μ − log π). {_length_span(drift[[p in set(pairs) for p in zip(drift['rollout'], drift['scorer'])]]['response_len'])}: where that is far below 1K, the slope per "
+        f"Σ_t (log μ − log π). {_length_span(lengths)}: where that is far below 1K, the slope per "
         "1K tokens is an extrapolation."
     )
     return [("fig2_pi_vs_mu_seq_drift", finish(fig, "π vs μ and sequence drift per precision (FP16 study)", caption, m))]
