@@ -37,7 +37,7 @@ import duckdb
 import numpy as np
 import pandas as pd
 
-from mismatch_lab.analysis.relations import _used
+from mismatch_lab.analysis.relations import _used, labels_as_str
 
 SAMPLE_ROWS = 200_000
 """Rows sampled to place the brackets (all rows below this many): more narrows the brackets (fewer
@@ -112,7 +112,7 @@ def exact_quantiles(
     `sample_rows`: the sample's expected size (default SAMPLE_ROWS). Names starting with '_q' are this
     function's own: neither keys nor parameters may use them."""
     cells = list(dict.fromkeys(k for keys in sets.values() for k in keys))
-    _check(con, rel, params, sets, cells)
+    types = _check(con, rel, params, sets, cells)
     head = f"SELECT {', '.join(cells)}, {', '.join(f'{w.sql()} AS _qv_{w.name}' for w in wanted)} FROM "
     full = f"{head}({rel})"
     if row_bound is None:
@@ -122,7 +122,7 @@ def exact_quantiles(
     sampled = f"{head}({(sample_rel or f'SELECT * FROM ({rel}) {{sample}}').replace('{sample}', clause)})"
     brackets, sampled_cells = _from_sample(con, sampled, params, sets, cells, wanted)
     hulls = _hulls(sampled_cells, cells, sets, brackets, wanted)
-    counted = _pass(con, full, params, cells, wanted, hulls)
+    counted = _pass(con, full, params, types, wanted, hulls)
     cell_keys = _keys(counted, cells)
     per_cell = {w.name: _cell_regions(counted, cell_keys, w) for w in wanted}
     out = {}
@@ -149,9 +149,10 @@ def _from_sample(con, sampled: str, params: dict, sets: dict[str, list[str]], ce
             con.execute(f"DROP TABLE IF EXISTS temp.{sample}")
 
 
-def _check(con, rel: str, params: dict, sets: dict[str, list[str]], cells: list[str]) -> None:
-    """ValueError for what this module cannot key on: an empty key set, a name of its own, a float key
-    (NaN and NULL would be one key here, two in DuckDB), an interval key (it does not come back from pandas)."""
+def _check(con, rel: str, params: dict, sets: dict[str, list[str]], cells: list[str]) -> dict[str, str]:
+    """The SQL type of each key column (cells); ValueError for what this module cannot key on: an empty key
+    set, a name of its own, a float key (NaN and NULL would be one key here, two in DuckDB), an interval key
+    (it does not come back from pandas)."""
     if any(not keys for keys in sets.values()):
         raise ValueError("every key set needs at least one key column")
     own = [n for n in [*cells, *params] if n.startswith("_q")]
@@ -161,6 +162,7 @@ def _check(con, rel: str, params: dict, sets: dict[str, list[str]], cells: list[
     odd = [r[0] for r in desc if r[1] in ("FLOAT", "DOUBLE", "INTERVAL") or r[1].startswith("DECIMAL")]
     if odd:
         raise ValueError(f"key columns must be labels, integers or dates, not fractions or intervals: {', '.join(odd)}")
+    return {r[0]: r[1] for r in desc}
 
 
 def _norm(value):
@@ -242,8 +244,10 @@ def _region(w: Wanted, n: int) -> str:
     return f"CASE WHEN {v} IS NULL THEN NULL {' '.join(whens)} ELSE {2 * n} END"
 
 
-def _pass(con, full: str, params: dict, cells: list[str], wanted: list[Wanted], hulls: dict) -> pd.DataFrame:
-    """One GROUP BY (cell, region of each Wanted): the row count _qn and, per Wanted, the values kept."""
+def _pass(con, full: str, params: dict, types: dict[str, str], wanted: list[Wanted], hulls: dict) -> pd.DataFrame:
+    """One GROUP BY (cell, region of each Wanted): the row count _qn and, per Wanted, the values kept.
+    `types`: each cell key column's SQL type (_check)."""
+    cells = list(types)
     table = f"_ml_hulls_{uuid.uuid4().hex[:10]}"
     # keys as object columns: a None among integers would make pandas round them through float64
     columns: dict[str, pd.Series] = {c: pd.Series([cell[i] for cell in hulls], dtype=object) for i, c in enumerate(cells)}
@@ -254,9 +258,8 @@ def _pass(con, full: str, params: dict, cells: list[str], wanted: list[Wanted], 
                     h[w.name][j][end] if j < len(h[w.name]) else None for h in hulls.values()]  # fmt: skip
     con.register(table, pd.DataFrame(columns))
     try:
-        desc = con.execute(f"DESCRIBE SELECT {', '.join(cells)} FROM ({full})", _used(full, params)).fetchall()
         # cast to the row set's key types, so that ENUM labels compare as integers; NULL keys join NULL keys
-        cast = ", ".join([f"CAST({r[0]} AS {r[1]}) AS {r[0]}" for r in desc] + [f"* EXCLUDE ({', '.join(cells)})"])
+        cast = ", ".join([f"CAST({c} AS {t}) AS {c}" for c, t in types.items()] + [f"* EXCLUDE ({', '.join(cells)})"])
         on = " AND ".join(f"x.{c} IS NOT DISTINCT FROM h.{c}" for c in cells)
         regions = ", ".join(f"{_region(w, len(w.levels))} AS _qg_{w.name}" for w in wanted)
         kept = ", ".join(f"list(_qv_{w.name}) FILTER (WHERE _qg_{w.name} % 2 = 1) AS _qkept_{w.name}" for w in wanted)
@@ -355,10 +358,7 @@ def _fetch(con, sql: str, params: dict) -> pd.DataFrame:
     result = con.execute(sql, _used(sql, params))
     with warnings.catch_warnings():  # the copy Arrow makes of a DB-API result costs less than .df()
         warnings.filterwarnings("ignore", "Arrow output on a DB-API result", UserWarning)
-        df = result.to_arrow_table().to_pandas(integer_object_nulls=True)
-    for c in df.select_dtypes("category").columns:
-        df[c] = df[c].astype(object)
-    return df
+        return labels_as_str(result.to_arrow_table().to_pandas(integer_object_nulls=True))
 
 
 __all__ = ["Wanted", "exact_quantiles", "interpolate", "select"]

@@ -253,7 +253,11 @@ def _used(sql: str, params: dict | None) -> dict:
 
 def query(con: duckdb.DuckDBPyConnection, sql: str, params: dict | None = None) -> pd.DataFrame:
     """Run SQL with named parameters (those absent from the SQL dropped); ENUM labels come back as str."""
-    df = con.execute(sql, _used(sql, params)).df()
+    return labels_as_str(con.execute(sql, _used(sql, params)).df())
+
+
+def labels_as_str(df: pd.DataFrame) -> pd.DataFrame:
+    """`df` with its categorical columns (DuckDB ENUM labels) as plain str objects, in place."""
     for c in df.select_dtypes("category").columns:
         df[c] = df[c].astype(object)
     return df

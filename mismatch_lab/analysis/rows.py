@@ -356,11 +356,10 @@ class Rows:
         rel, params = self.sql["rollout"]
         cols = [f"b{i}" for i in range(len(scales))]
         buckets = ", ".join(f"{self._bucket(s, n)} AS {c}" for c, (s, n) in zip(cols, scales, strict=True))
-        sample = self._sample_rel or f"SELECT * FROM ({rel}) {{sample}}"
+        sample = f"SELECT *, {buckets} FROM ({self._sample_rel})" if self._sample_rel else None  # else rel sampled
         by_set = exact_quantiles(
             self.con, f"SELECT *, {buckets} FROM ({rel})", params,
-            {c: ["rollout", "scorer", c] for c in cols}, live,
-            sample_rel=f"SELECT *, {buckets} FROM ({sample})", row_bound=self._row_bound(),
+            {c: ["rollout", "scorer", c] for c in cols}, live, sample_rel=sample, row_bound=self._row_bound(),
         )  # fmt: skip
         names = dict(zip(wanted[0].columns(), R_QUANTILE_COLUMNS, strict=True)) | {f"{w.name}_0": w.name for w in live[1:]}
         frames = []
