@@ -109,25 +109,36 @@ def finite_sql(lmu: str = "lmu", lpi: str = "lpi", nonfinite: str | None = "nonf
     )
 
 
-def token_metrics_sql(lmu: str = "lmu", lpi: str = "lpi") -> dict[str, str]:
-    """Name -> SQL expression of each per-token quantity (see the module docstring)."""
-    mu, pi = f"exp({lmu})", f"exp({lpi})"
+def token_metrics_sql(lmu: str = "lmu", lpi: str = "lpi", shared: dict[str, str] | None = None) -> dict[str, str]:
+    """Name -> SQL expression of each per-token quantity (see the module docstring). `shared`: columns
+    already holding some of SHARED_SQL's expressions (name -> column), read instead of recomputed: DuckDB
+    evaluates every occurrence of exp(lmu) in a projection, so a pass that computes them once in a layer
+    below costs a third of the exponentials, with the same values bit for bit."""
+    shared = shared or {}
+    mu, pi, r = (shared.get(name, expr) for name, expr in shared_sql(lmu, lpi).items())
     return {
         "mu": mu,
         "pi": pi,
         "dlogp": f"({lpi} - {lmu})",
-        "r": f"exp({lpi} - {lmu})",
+        "r": r,
         "dp": f"({pi} - {mu})",
         "btv": f"abs({pi} - {mu})",
         "k1": f"({lmu} - {lpi})",
         "k2": f"(0.5 * ({lpi} - {lmu}) * ({lpi} - {lmu}))",
-        "k3": f"(exp({lpi} - {lmu}) - ({lpi} - {lmu}) - 1.0)",
+        "k3": f"({r} - ({lpi} - {lmu}) - 1.0)",
         "bkl": (
             f"({mu} * ({lmu} - {lpi}) + CASE WHEN 1.0 - {mu} <= 0 THEN 0.0 "
             f"WHEN 1.0 - {pi} <= 0 THEN 'inf'::DOUBLE "
             f"ELSE (1.0 - {mu}) * ln((1.0 - {mu}) / (1.0 - {pi})) END)"
         ),
     }
+
+
+def shared_sql(lmu: str = "lmu", lpi: str = "lpi") -> dict[str, str]:
+    """The exponentials several token metrics read: mu, pi and r = exp(log pi - log mu). Total on every
+    double (inf, NaN and NULL in, inf, NaN or NULL out, never an error), so safe to compute before the
+    finite-row guard."""
+    return {"mu": f"exp({lmu})", "pi": f"exp({lpi})", "r": f"exp({lpi} - {lmu})"}
 
 
 def topk_anchor_sql(ids: str, a_lps: str, tok: str, kl: bool = True) -> dict[str, str]:

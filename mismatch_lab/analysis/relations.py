@@ -234,17 +234,25 @@ STORED_METRICS = ("topk",)
 scalar rest is recomputed by every pass from lmu and lpi (cheaper than the memory to store it)."""
 
 
-def metrics_sql(skip: Iterable[str] = ()) -> dict[str, str]:
-    """name -> SQL of every per-token metric and `topk` (STRUCT(tv, kl)), NULL on non-finite rows."""
-    metrics = d.token_metrics_sql() | {"topk": d.topk_sql("lmu", "lpi")}
+SHARED = {name: f"_m_{name}" for name in d.shared_sql()}
+"""The columns with_metrics computes its shared exponentials into (definitions.shared_sql), then drops."""
+
+
+def metrics_sql(skip: Iterable[str] = (), shared: dict[str, str] | None = None) -> dict[str, str]:
+    """name -> SQL of every per-token metric and `topk` (STRUCT(tv, kl)), NULL on non-finite rows.
+    `shared`: columns holding definitions.shared_sql's expressions (see token_metrics_sql)."""
+    metrics = d.token_metrics_sql(shared=shared) | {"topk": d.topk_sql("lmu", "lpi")}
     return {name: f"CASE WHEN finite THEN {expr} END" for name, expr in metrics.items() if name not in skip}
 
 
 def with_metrics(base: str, stored: Iterable[str] = ()) -> str:
     """A base row set plus every metric of `metrics_sql` not already `stored` as a column of base, and
-    topk_tv / topk_kl unpacked from `topk`."""
-    cols = ", ".join(f"{expr} AS {name}" for name, expr in metrics_sql(skip=stored).items())
-    return f"SELECT *, topk.tv AS topk_tv, topk.kl AS topk_kl FROM (SELECT *, {cols} FROM ({base}))"
+    topk_tv / topk_kl unpacked from `topk`. The exponentials several metrics share are computed once a
+    row, in a layer of their own (SHARED), and not returned."""
+    exps = ", ".join(f"{expr} AS {SHARED[name]}" for name, expr in d.shared_sql().items())
+    cols = ", ".join(f"{expr} AS {name}" for name, expr in metrics_sql(skip=stored, shared=SHARED).items())
+    return f"""SELECT * EXCLUDE ({', '.join(SHARED.values())}), topk.tv AS topk_tv, topk.kl AS topk_kl
+               FROM (SELECT *, {cols} FROM (SELECT *, {exps} FROM ({base})))"""
 
 
 def _used(sql: str, params: dict | None) -> dict:

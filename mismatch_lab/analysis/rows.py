@@ -11,8 +11,9 @@ reach the top then reads their rows).
 `Rows(con, filters)` reads the store live (a standalone analysis call). `Rows(..., materialize=True)`
 (what `run_all` uses) first joins tokens and scores once into a temporary table, label columns as
 1-byte ENUMs and the default mu buckets as 1-byte columns, and every rollout-side pass reads that: the
-join of 10^7 tokens is the expensive part. Optional columns the store lacks are constants, neither
-stored nor aggregated. The scorer side (scorer vs reference) stays live: it has two passes, one of them
+join of 10^7 tokens is the expensive part. Optional columns the store lacks, and labels with one value
+in the whole store (a recorded run's run id, rollout and scorer), are constants, neither stored nor
+aggregated. The scorer side (scorer vs reference) stays live: it has two passes, one of them
 without top-K, and none where the materialised labels show no reference-scorer row.
 """
 
@@ -164,7 +165,7 @@ class Rows:
         sql, params = rollout_base(con, self.filters, topk=rollout_topk, enums=enums)
         if materialize:
             # columns the store lacks are constants: added after the join instead of stored per row
-            const = self._const | ({} if "category" in tcols else {"category": "'uncategorized'"})
+            const = self._const | ({} if "category" in tcols else {"category": "'uncategorized'"}) | self._single()
             self.sql["rollout"] = (with_metrics(self._materialize("rollout", sql, params, const), STORED_METRICS), {})
         else:
             self.sql["rollout"] = (with_metrics(sql), params)
@@ -218,16 +219,26 @@ class Rows:
         }
         if "category" in table_columns(con, "tokens"):
             values["category"] = "SELECT DISTINCT coalesce(category, 'uncategorized') FROM tokens"
-        out, labels = {}, {}
+        out, labels, nulls = {}, {}, set()
         for name, sql in values.items():
-            vals = sorted({str(r[0]) for r in con.execute(sql).fetchall() if r[0] is not None} | (
+            got = con.execute(sql).fetchall()
+            nulls |= {name} if any(r[0] is None for r in got) else set()
+            vals = sorted({str(r[0]) for r in got if r[0] is not None} | (
                 {"uncategorized"} if name == "category" else set()))  # fmt: skip
             labels[name] = vals
             if vals:
-                out[name] = "ENUM(" + ", ".join("'" + v.replace("'", "''") + "'" for v in vals) + ")"
+                out[name] = "ENUM(" + ", ".join(_quote(v) for v in vals) + ")"
         out["adv_sign"] = "ENUM('positive', 'negative')"
-        self._cache["enums"], self._cache["labels"] = out, labels
+        self._cache["enums"], self._cache["labels"], self._cache["nulls"] = out, labels, nulls
         return out
+
+    def _single(self) -> dict[str, str]:
+        """Label columns that hold one value on every row of the store (no NULL), as ENUM constants: a
+        materialised row set adds them to the result instead of storing one byte a row (a recorded run
+        has one run, one rollout and one scorer)."""
+        enums, labels, nulls = self._enums(), self._cache["labels"], self._cache["nulls"]
+        return {name: f"{_quote(vals[0])}::{enums[name]}" for name, vals in labels.items()
+                if len(vals) == 1 and name not in nulls}  # fmt: skip
 
     def close(self) -> None:
         for t in self._tables:
@@ -399,3 +410,8 @@ class Rows:
             return query(self.con, sql, params)
 
         return self._run(("sequences", side), run)
+
+
+def _quote(value: str) -> str:
+    """A SQL string literal of `value`."""
+    return "'" + value.replace("'", "''") + "'"

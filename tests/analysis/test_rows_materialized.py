@@ -1,0 +1,85 @@
+"""The materialised row set (rows.Rows(materialize=True)) against the live one: the same passes, the same
+numbers, whichever labels it stores and which it adds as constants."""
+
+from __future__ import annotations
+
+import duckdb
+import pandas as pd
+import pytest
+
+from mismatch_lab.analysis.rows import Rows, Thresholds
+from mismatch_lab.store.reader import open_store
+from mismatch_lab.store.synthetic import SyntheticSpec, synthetic_store
+
+KEYS = ["rollout", "scorer", "run_id", "step", "adv_sign", "category", "lb", "gb"]
+
+
+def _stored_columns(rows: Rows) -> set[str]:
+    (table,) = rows._tables
+    return {r[0] for r in rows.con.execute(f"DESCRIBE temp.{table}").fetchall()}
+
+
+def _grid(rows: Rows) -> pd.DataFrame:
+    grid = rows.grid(Thresholds())
+    labels = ["rollout", "scorer", "run_id", "adv_sign", "category"]  # ENUMs (stored) or VARCHAR (live): as str
+    grid[labels] = grid[labels].astype(object).where(grid[labels].notna(), None)
+    return grid.sort_values(KEYS, na_position="first").reset_index(drop=True)
+
+
+def _same_grid(con: duckdb.DuckDBPyConnection) -> set[str]:
+    """The materialised grid equals the live one value for value; returns the stored columns."""
+    live = _grid(Rows(con))
+    with Rows(con, materialize=True) as rows:
+        stored = _stored_columns(rows)
+        pd.testing.assert_frame_equal(_grid(rows), live, check_exact=True, check_dtype=False)
+    return stored
+
+
+def test_one_run_one_scorer_stores_no_label(tmp_path):
+    """A store of one run, one rollout and one scorer (a recorded run's shape): those labels are constants,
+    not columns of the temporary table, and every sum is what the live row set gives."""
+    path = tmp_path / "one.duckdb"
+    synthetic_store(path, SyntheticSpec(rollouts=("vllm:bf16",), scorers=("hf:fp32",), rewards="advantage", seed=3))
+    con = open_store(path)
+    stored = _same_grid(con)
+    assert not {"rollout", "scorer", "run_id"} & stored
+    assert {"lmu", "lpi", "seq_id", "token_id"} <= stored
+    con.close()
+
+
+def test_labels_with_several_values_or_a_null_are_stored(tmp_path):
+    """Two runs and two scorers: every label is stored. One run's engine unknown (rollout label NULL)
+    beside a single named rollout: the rollout label is stored too, not taken for a constant."""
+    path = tmp_path / "two.duckdb"
+    synthetic_store(path, SyntheticSpec(rollouts=("vllm:bf16", "vllm:fp16"), scorers=("hf:fp32", "hf:bf16"), seed=4))
+    con = open_store(path)
+    assert {"rollout", "scorer", "run_id"} <= _same_grid(con)
+    con.close()
+    with duckdb.connect(str(path)) as w:
+        w.execute("UPDATE runs SET engine = NULL WHERE engine_dtype = 'fp16'")
+        w.execute("UPDATE runs SET engine_dtype = NULL WHERE engine IS NULL")
+    con = open_store(path)
+    assert con.execute("SELECT count(*) FROM runs WHERE engine IS NULL").fetchone()[0] == 1
+    grid = _grid(Rows(con))
+    assert grid["rollout"].isna().any() and grid["rollout"].dropna().nunique() == 1
+    assert "rollout" in _same_grid(con)
+    con.close()
+
+
+@pytest.mark.parametrize("name", ["rollout", "scorer", "run_id"])
+def test_a_single_label_quoted(tmp_path, name):
+    """A constant label holding a quote is still one SQL literal."""
+    path = tmp_path / "q.duckdb"
+    synthetic_store(path, SyntheticSpec(rollouts=("vllm:bf16",), scorers=("hf:fp32",), seed=5))
+    with duckdb.connect(str(path)) as w:
+        column = {"rollout": ("runs", "engine"), "scorer": ("scores", "scorer"), "run_id": (None, "run_id")}[name]
+        if column[0] is None:
+            for table in ("runs", "sequences", "tokens", "scores"):
+                w.execute(f"UPDATE {table} SET run_id = 'it''s'")
+        else:
+            w.execute(f"UPDATE {column[0]} SET {column[1]} = 'it''s'")
+    con = open_store(path)
+    _same_grid(con)
+    with Rows(con, materialize=True) as rows:
+        assert "it's" in set(_grid(rows)[name].astype(str).str.split(":").str[0])
+    con.close()
