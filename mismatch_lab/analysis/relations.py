@@ -164,7 +164,8 @@ def rollout_base(
     adv_join = ""
     if advantage:
         sign = advantage_sql(con, enums.get("adv_sign", "VARCHAR"))
-        adv_join = f"LEFT JOIN ({sign}) adv ON adv.run_id = t.run_id AND adv.seq_id = t.seq_id"
+        keys = " AND ".join(f"adv.{k} = t.{k}" for k in (("seq_id",) if one else ("run_id", "seq_id")))
+        adv_join = f"LEFT JOIN (SELECT * FROM ({sign}) {only}) adv ON {keys}"
         cols += ["adv.adv_sign", "adv.step"]
     nonfinite = col(scols, "s", "nonfinite", "BOOLEAN")
     # labels are cast where the fewest rows pass: the run id on `runs` (one row a run), not on every token

@@ -16,7 +16,7 @@ from mismatch_lab.store.synthetic import SyntheticSpec, synthetic_store
 
 def _rows(con, base_of, filters: Filters) -> pd.DataFrame:
     sql, params = base_of(con, filters)
-    cols = "rollout, scorer, run_id, seq_id, lmu, lpi, finite"
+    cols = "rollout, scorer, run_id, seq_id, lmu, lpi, finite" + (", adv_sign, step" if base_of is rollout_base else "")
     frame = con.execute(f"SELECT {cols} FROM ({sql})", relations._used(sql, params)).df()
     return relations.labels_as_str(frame).sort_values(["scorer", "run_id", "seq_id", "lmu", "lpi"]).reset_index(drop=True)
 
@@ -33,11 +33,13 @@ def _both(con, base_of, filters: Filters, monkeypatch) -> tuple[pd.DataFrame, pd
 
 @pytest.fixture
 def one_run(tmp_path):
-    """One run (scored by the reference and one more scorer) plus token and score rows of a run id that
-    `runs` does not list, at the same (seq_id, pos) and with other log-probs."""
+    """One run (scored by the reference and one more scorer) plus sequence, token and score rows of a run
+    id that `runs` does not list, at the same (seq_id, pos) and with other log-probs and advantages."""
     path = tmp_path / "one.duckdb"
-    synthetic_store(path, SyntheticSpec(rollouts=("vllm:bf16",), scorers=("hf:fp32", "hf:bf16"), seed=7))
+    spec = SyntheticSpec(rollouts=("vllm:bf16",), scorers=("hf:fp32", "hf:bf16"), rewards="advantage", seed=7)
+    synthetic_store(path, spec)
     with duckdb.connect(str(path)) as w:
+        w.execute("INSERT INTO sequences SELECT * REPLACE ('ghost' AS run_id, -advantage AS advantage) FROM sequences")
         w.execute("INSERT INTO tokens SELECT * REPLACE ('ghost' AS run_id, logp_rollout - 1.0 AS logp_rollout) FROM tokens")
         w.execute("INSERT INTO scores SELECT * REPLACE ('ghost' AS run_id, logp - 1.0 AS logp) FROM scores")
     con = open_store(path)
@@ -50,12 +52,15 @@ def test_one_run_joins_the_same_rows(one_run, base_of, monkeypatch):
     fast, full, one = _both(one_run, base_of, Filters(), monkeypatch)
     assert one  # the one-run join was taken
     assert len(fast) > 0 and set(fast["run_id"]) == {one_run.execute("SELECT run_id FROM runs").fetchone()[0]}
+    if base_of is rollout_base:
+        assert fast["adv_sign"].notna().any()
     pd.testing.assert_frame_equal(fast, full, check_exact=True)
 
 
 def test_a_filter_naming_one_run_of_several(tmp_path, monkeypatch):
     path = tmp_path / "two.duckdb"
-    synthetic_store(path, SyntheticSpec(rollouts=("vllm:bf16", "vllm:fp16"), scorers=("hf:fp32", "hf:bf16"), seed=8))
+    spec = SyntheticSpec(rollouts=("vllm:bf16", "vllm:fp16"), scorers=("hf:fp32", "hf:bf16"), rewards="advantage", seed=8)
+    synthetic_store(path, spec)
     con = open_store(path)
     runs = sorted(r[0] for r in con.execute("SELECT run_id FROM runs").fetchall())
     assert len(runs) == 2
