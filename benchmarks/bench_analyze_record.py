@@ -122,7 +122,7 @@ def measure(store: str, what: str) -> dict:
     t0, c0 = time.perf_counter(), cpu_seconds()
     con = open_store(store)
     if what.startswith("fused-"):
-        rows = con.execute(fused_sql(con, what.split("-", 1)[1])).fetchall()
+        rows = con.execute(*fused_sql(con, what.split("-", 1)[1])).fetchall()
         extra = {"groups": len(rows)}
     elif what == "onepass-run":
         (run,) = con.execute("SELECT run_id FROM runs").fetchone()  # the benchmark's store holds one run
@@ -157,7 +157,7 @@ def free_quantiles() -> None:
     rows.Rows.quantiles = empty
 
 
-def fused_sql(con, quantiles: str) -> str:
+def fused_sql(con, quantiles: str) -> tuple[str, dict]:
     """The --fused diagnostic's one statement: the rows analyze materialises (the same join, labels, mu
     buckets and constants for the columns the store lacks) as a MATERIALIZED common table expression, and
     the union of analyze's grid of sums, its per-sequence sums, the token counts of the ratio-clipped rows
@@ -175,7 +175,7 @@ def fused_sql(con, quantiles: str) -> str:
 
     rows = Rows(con)  # live: only its enums and the constants of absent columns are used
     base, params = rollout_base(con, Filters(), topk=False, enums=rows._enums())
-    assert not params, "the diagnostic reads the whole store (no filters)"
+    assert set(params) <= {"one_run"}, "the diagnostic reads the whole store (no filters)"
     const = rows._const | ({} if "category" in table_columns(con, "tokens") else {"category": "'uncategorized'"})
     drop = ", ".join([*TOPK_STORED, *(c for c in const if c != "topk")])
     buckets = ", ".join(f"coalesce({d.bucket_sql(s, n)}, -1)::TINYINT AS b_{s}" for s, n in DEFAULT_BUCKETS)
@@ -200,7 +200,7 @@ def fused_sql(con, quantiles: str) -> str:
                    {agg}(r, {list(d.RATIO_QUANTILES)}) AS r_q, {agg}(btv, 0.99) AS binary_tv_p99
             FROM ({rel}) GROUP BY GROUPING SETS ((rollout, scorer, b_linear), (rollout, scorer, b_log))""")
     union = " UNION ALL BY NAME ".join(f"({p})" for p in parts)
-    return f"WITH j AS MATERIALIZED (SELECT * EXCLUDE ({drop}), {buckets} FROM ({base})) SELECT * FROM {union}"
+    return f"WITH j AS MATERIALIZED (SELECT * EXCLUDE ({drop}), {buckets} FROM ({base})) SELECT * FROM {union}", params
 
 
 def run_child(store: Path, what: str) -> dict:
