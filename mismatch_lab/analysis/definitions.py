@@ -111,9 +111,10 @@ def finite_sql(lmu: str = "lmu", lpi: str = "lpi", nonfinite: str | None = "nonf
 
 def token_metrics_sql(lmu: str = "lmu", lpi: str = "lpi", shared: dict[str, str] | None = None) -> dict[str, str]:
     """Name -> SQL expression of each per-token quantity (see the module docstring). `shared`: columns
-    already holding some of SHARED_SQL's expressions (name -> column), read instead of recomputed: DuckDB
-    evaluates every occurrence of exp(lmu) in a projection, so a pass that computes them once in a layer
-    below costs a third of the exponentials, with the same values bit for bit."""
+    already holding some of shared_sql's expressions (its name -> the column), read instead of recomputed:
+    DuckDB evaluates every occurrence of exp(lmu) in a projection, so a pass that computes them once in a
+    layer below (relations.with_metrics) pays a few exponentials a row instead of a dozen, with the same
+    values bit for bit."""
     shared = shared or {}
     mu, pi, r = (shared.get(name, expr) for name, expr in shared_sql(lmu, lpi).items())
     return {
