@@ -169,6 +169,7 @@ def fused_sql(con, quantiles: str) -> tuple[str, dict]:
         Filters,
         rollout_base,
         table_columns,
+        typed_null,
         with_metrics,
     )
     from mismatch_lab.analysis.rows import DEFAULT_BUCKETS, Rows, Thresholds, sums_sql
@@ -176,7 +177,9 @@ def fused_sql(con, quantiles: str) -> tuple[str, dict]:
     rows = Rows(con)  # live: only its enums and the constants of absent columns are used
     base, params = rollout_base(con, Filters(), topk=False, enums=rows._enums())
     assert set(params) <= {"one_run"}, "the diagnostic reads the whole store (no filters)"
-    const = rows._const | ({} if "category" in table_columns(con, "tokens") else {"category": "'uncategorized'"})
+    # the base is read without top-K (topk=False above): its divergences are NULL whatever the store holds
+    const = rows._const | {"topk": typed_null("STRUCT(tv DOUBLE, kl DOUBLE)")} | (
+        {} if "category" in table_columns(con, "tokens") else {"category": "'uncategorized'"})
     drop = ", ".join([*TOPK_STORED, *(c for c in const if c != "topk")])
     buckets = ", ".join(f"coalesce({d.bucket_sql(s, n)}, -1)::TINYINT AS b_{s}" for s, n in DEFAULT_BUCKETS)
     added = "".join(f", {expr} AS {name}" for name, expr in const.items())

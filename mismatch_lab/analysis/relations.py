@@ -185,7 +185,7 @@ def rollout_base(
 
 
 def _one_run(con: duckdb.DuckDBPyConnection, filters: Filters, params: dict) -> str:
-    """'' or, where the rows are one run's (the store holds one run, or the filters name one), that run
+    """'' or, where the rows are one run's (`runs` lists one run, or the filters name one), that run
     as parameter $one_run (set in `params`) and the returned condition on a row's run_id: both sides of
     a join then read that run alone and join on (seq_id, pos) (_join_on): the same rows as the three-
     column key, without hashing and comparing a run id string a token (~30 % of the join at 10^7)."""
@@ -279,7 +279,8 @@ def metrics_sql(skip: Iterable[str] = (), shared: dict[str, str] | None = None) 
 def with_metrics(base: str, stored: Iterable[str] = ()) -> str:
     """A base row set plus every metric of `metrics_sql` not already `stored` as a column of base, and
     topk_tv / topk_kl unpacked from `topk`. The exponentials several metrics share are computed once a
-    row, in a layer of their own (SHARED), and not returned."""
+    row, in a layer of their own (SHARED), and not returned. Their names (prefix `_m_`) are reserved: a
+    base column of the same name would be read in their place (DuckDB renames the new one)."""
     exps = ", ".join(f"{expr} AS {SHARED[name]}" for name, expr in d.shared_sql().items())
     cols = ", ".join(f"{expr} AS {name}" for name, expr in metrics_sql(skip=stored, shared=SHARED).items())
     return f"""SELECT * EXCLUDE ({', '.join(SHARED.values())}), topk.tv AS topk_tv, topk.kl AS topk_kl

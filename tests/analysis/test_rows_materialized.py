@@ -7,6 +7,7 @@ import duckdb
 import pandas as pd
 import pytest
 
+from mismatch_lab.analysis.relations import Filters
 from mismatch_lab.analysis.rows import Rows, Thresholds
 from mismatch_lab.store.reader import open_store
 from mismatch_lab.store.synthetic import SyntheticSpec, synthetic_store
@@ -26,12 +27,27 @@ def _grid(rows: Rows) -> pd.DataFrame:
     return grid.sort_values(KEYS, na_position="first").reset_index(drop=True)
 
 
-def _same_grid(con: duckdb.DuckDBPyConnection) -> set[str]:
-    """The materialised grid equals the live one value for value; returns the stored columns."""
-    live = _grid(Rows(con))
-    with Rows(con, materialize=True) as rows:
+def _other_passes(rows: Rows) -> list[pd.DataFrame]:
+    """The per-sequence sums and the linear-bucket quantiles, label columns as str, in a fixed order."""
+    out = []
+    for frame, keys in ((rows.sequences("rollout"), ["rollout", "scorer", "run_id", "seq_id"]),
+                        (rows.quantiles("linear", 10), ["rollout", "scorer", "bucket"])):  # fmt: skip
+        labels = [c for c in ("rollout", "scorer", "run_id", "adv_sign") if c in frame.columns]
+        frame[labels] = frame[labels].astype(object).where(frame[labels].notna(), None)
+        out.append(frame.sort_values(keys, na_position="first").reset_index(drop=True))
+    return out
+
+
+def _same_grid(con: duckdb.DuckDBPyConnection, filters: Filters | None = None) -> set[str]:
+    """The materialised grid, per-sequence sums and quantiles equal the live ones value for value;
+    returns the stored columns."""
+    live = Rows(con, filters)
+    with Rows(con, filters, materialize=True) as rows:
         stored = _stored_columns(rows)
-        pd.testing.assert_frame_equal(_grid(rows), live, check_exact=True, check_dtype=False)
+        pd.testing.assert_frame_equal(_grid(rows), _grid(live), check_exact=True, check_dtype=False)
+        for mine, ref in zip(_other_passes(rows), _other_passes(live), strict=True):
+            assert len(ref) > 0
+            pd.testing.assert_frame_equal(mine, ref, check_exact=True, check_dtype=False)
     return stored
 
 
@@ -54,6 +70,8 @@ def test_labels_with_several_values_or_a_null_are_stored(tmp_path):
     synthetic_store(path, SyntheticSpec(rollouts=("vllm:bf16", "vllm:fp16"), scorers=("hf:fp32", "hf:bf16"), seed=4))
     con = open_store(path)
     assert {"rollout", "scorer", "run_id"} <= _same_grid(con)
+    run = con.execute("SELECT min(run_id) FROM runs").fetchone()[0]
+    _same_grid(con, Filters.make(run_ids=run, scorer="hf:bf16"))  # one run of two, one scorer of two
     con.close()
     with duckdb.connect(str(path)) as w:
         w.execute("UPDATE runs SET engine = NULL WHERE engine_dtype = 'fp16'")
