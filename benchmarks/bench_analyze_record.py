@@ -49,19 +49,17 @@ OUT = Path(__file__).resolve().parent / "out"
 B, T = 64, 1024
 FUSED = ("fused-exact", "fused-reservoir", "fused-none")
 
-ONE_PASS = """
+MEANS = """
     SELECT r.engine AS rollout, s.scorer, q.step, count(*) AS n,
            avg(abs(exp(s.logp) - exp(t.logp_rollout))) AS abs_dp, avg(abs(s.logp - t.logp_rollout)) AS abs_dlogp,
            avg(exp(s.logp - t.logp_rollout) - (s.logp - t.logp_rollout) - 1) AS k3,
-           avg(CASE WHEN exp(s.logp - t.logp_rollout) NOT BETWEEN 0.8 AND 1.28 THEN 1.0 ELSE 0.0 END) AS clipped
+           avg(CASE WHEN exp(s.logp - t.logp_rollout) NOT BETWEEN 0.8 AND 1.28 THEN 1.0 ELSE 0.0 END) AS clipped"""
+"""The token means both one-pass baselines compute, per (rollout, scorer, step)."""
+ONE_PASS = MEANS + """
     FROM tokens t JOIN scores s USING (run_id, seq_id, pos) JOIN sequences q USING (run_id, seq_id)
     JOIN runs r USING (run_id)
     GROUP BY ALL"""
-ONE_RUN = """
-    SELECT r.engine AS rollout, s.scorer, q.step, count(*) AS n,
-           avg(abs(exp(s.logp) - exp(t.logp_rollout))) AS abs_dp, avg(abs(s.logp - t.logp_rollout)) AS abs_dlogp,
-           avg(exp(s.logp - t.logp_rollout) - (s.logp - t.logp_rollout) - 1) AS k3,
-           avg(CASE WHEN exp(s.logp - t.logp_rollout) NOT BETWEEN 0.8 AND 1.28 THEN 1.0 ELSE 0.0 END) AS clipped
+ONE_RUN = MEANS + """
     FROM (FROM tokens WHERE run_id = $run) t JOIN (FROM scores WHERE run_id = $run) s USING (seq_id, pos)
     JOIN (FROM sequences WHERE run_id = $run) q USING (seq_id) JOIN (FROM runs WHERE run_id = $run) r ON true
     GROUP BY ALL"""

@@ -164,8 +164,7 @@ def rollout_base(
     adv_join = ""
     if advantage:
         sign = advantage_sql(con, enums.get("adv_sign", "VARCHAR"))
-        keys = " AND ".join(f"adv.{k} = t.{k}" for k in (("seq_id",) if one else ("run_id", "seq_id")))
-        adv_join = f"LEFT JOIN (SELECT * FROM ({sign}) {only}) adv ON {keys}"
+        adv_join = f"LEFT JOIN (SELECT * FROM ({sign}) {only}) adv ON {_join_on('adv', 't', one, ('seq_id',))}"
         cols += ["adv.adv_sign", "adv.step"]
     nonfinite = col(scols, "s", "nonfinite", "BOOLEAN")
     # labels are cast where the fewest rows pass: the run id on `runs` (one row a run), not on every token
@@ -198,11 +197,10 @@ def _one_run(con: duckdb.DuckDBPyConnection, filters: Filters, params: dict) -> 
     return "run_id = $one_run"
 
 
-def _join_on(a: str, b: str, one_run: str) -> str:
-    """ON condition joining the token rows of aliases a and b: (run_id, seq_id, pos), or (seq_id, pos)
-    when both sides hold one run's rows (_one_run)."""
-    keys = ("seq_id", "pos") if one_run else ("run_id", "seq_id", "pos")
-    return " AND ".join(f"{a}.{k} = {b}.{k}" for k in keys)
+def _join_on(a: str, b: str, one_run: str, keys: tuple[str, ...] = ("seq_id", "pos")) -> str:
+    """ON condition joining aliases a and b on `keys` (a token's by default) within a run: run_id is a key
+    too unless both sides hold one run's rows (_one_run)."""
+    return " AND ".join(f"{a}.{k} = {b}.{k}" for k in (keys if one_run else ("run_id", *keys)))
 
 
 def _restrict(one_run: str, *aliases: str) -> str:

@@ -13,8 +13,9 @@ reach the top then reads their rows).
 1-byte ENUMs and the default mu buckets as 1-byte columns, and every rollout-side pass reads that: the
 join of 10^7 tokens is the expensive part. Optional columns the store lacks are constants, neither stored
 nor aggregated; labels with one value in the whole store (a recorded run's run id, rollout and scorer)
-are constants added after the join, not stored (they stay group keys). The scorer side (scorer vs reference) stays live: it has two passes, one of them
-without top-K, and none where the materialised labels show no reference-scorer row.
+are constants added after the join, not stored (they stay group keys). The scorer side (scorer vs
+reference) stays live: it has two passes, one of them without top-K, and none where the materialised
+labels show no reference-scorer row.
 """
 
 from __future__ import annotations

@@ -20,22 +20,21 @@ def _stored_columns(rows: Rows) -> set[str]:
     return {r[0] for r in rows.con.execute(f"DESCRIBE temp.{table}").fetchall()}
 
 
+def _sorted(frame: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
+    """`frame` with its label columns as str (ENUMs when stored, VARCHAR when live) or None, sorted by keys."""
+    labels = [c for c in ("rollout", "scorer", "run_id", "adv_sign", "category") if c in frame.columns]
+    frame[labels] = frame[labels].astype(object).where(frame[labels].notna(), None)
+    return frame.sort_values(keys, na_position="first").reset_index(drop=True)
+
+
 def _grid(rows: Rows) -> pd.DataFrame:
-    grid = rows.grid(Thresholds())
-    labels = ["rollout", "scorer", "run_id", "adv_sign", "category"]  # ENUMs (stored) or VARCHAR (live): as str
-    grid[labels] = grid[labels].astype(object).where(grid[labels].notna(), None)
-    return grid.sort_values(KEYS, na_position="first").reset_index(drop=True)
+    return _sorted(rows.grid(Thresholds()), KEYS)
 
 
 def _other_passes(rows: Rows) -> list[pd.DataFrame]:
-    """The per-sequence sums and the linear-bucket quantiles, label columns as str, in a fixed order."""
-    out = []
-    for frame, keys in ((rows.sequences("rollout"), ["rollout", "scorer", "run_id", "seq_id"]),
-                        (rows.quantiles("linear", 10), ["rollout", "scorer", "bucket"])):  # fmt: skip
-        labels = [c for c in ("rollout", "scorer", "run_id", "adv_sign") if c in frame.columns]
-        frame[labels] = frame[labels].astype(object).where(frame[labels].notna(), None)
-        out.append(frame.sort_values(keys, na_position="first").reset_index(drop=True))
-    return out
+    """The per-sequence sums and the linear-bucket quantiles, in a fixed order."""
+    return [_sorted(rows.sequences("rollout"), ["rollout", "scorer", "run_id", "seq_id"]),
+            _sorted(rows.quantiles("linear", 10), ["rollout", "scorer", "bucket"])]  # fmt: skip
 
 
 def _same_grid(con: duckdb.DuckDBPyConnection, filters: Filters | None = None) -> set[str]:
