@@ -340,7 +340,10 @@ def _below_inside(parts: list[tuple[_Cell, list | None]], a: float, b: float) ->
         first = np.searchsorted(cell.kept, a, side="left")
         below += int(first - start)
         inside.append(cell.kept[first:np.searchsorted(cell.kept, b, side="right")])
-    return below, np.sort(np.concatenate(inside)) if inside else np.empty(0)
+    if len(inside) == 1:  # a slice of a sorted array
+        return below, inside[0]
+    # sorted runs: timsort (numpy's stable sort of floats) merges them instead of sorting from scratch
+    return below, np.sort(np.concatenate(inside), kind="stable") if inside else np.empty(0)
 
 
 def _recompute(con, full: str, params: dict, keys: list[str], key: list, w: Wanted) -> list[float]:

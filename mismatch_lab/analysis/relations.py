@@ -263,26 +263,37 @@ STORED_METRICS = ("topk",)
 scalar rest is recomputed by every pass from lmu and lpi (cheaper than the memory to store it)."""
 
 
+GUARDED = {"lmu": "_m_lmu", "lpi": "_m_lpi"}
+"""with_metrics' copies of lmu and lpi, NULL on non-finite rows: the scalar metrics read these, so they are
+NULL there (arithmetic, exp, ln and CASE give NULL for NULL, never an error), as a CASE WHEN finite around
+each of them would make them, with one guard a row instead of one a metric."""
 SHARED = {name: f"_m_{name}" for name in d.shared_sql()}
 """The columns with_metrics computes its shared exponentials into (definitions.shared_sql), then drops."""
 
 
-def metrics_sql(skip: Iterable[str] = (), shared: dict[str, str] | None = None) -> dict[str, str]:
-    """name -> SQL of every per-token metric and `topk` (STRUCT(tv, kl)), NULL on non-finite rows.
-    `shared`: columns holding definitions.shared_sql's expressions (see token_metrics_sql)."""
-    metrics = d.token_metrics_sql(shared=shared) | {"topk": d.topk_sql("lmu", "lpi")}
-    return {name: f"CASE WHEN finite THEN {expr} END" for name, expr in metrics.items() if name not in skip}
+def metrics_sql(skip: Iterable[str] = (), *, layered: bool = False) -> dict[str, str]:
+    """name -> SQL of every per-token metric and `topk` (STRUCT(tv, kl)), NULL on non-finite rows: each
+    guarded by CASE WHEN finite, or (`layered`: with_metrics' expressions) the scalar ones read from the
+    GUARDED inputs and the SHARED exponentials of the layers below."""
+    topk = {"topk": f"CASE WHEN finite THEN {d.topk_sql('lmu', 'lpi')} END"}
+    if layered:
+        return {n: e for n, e in (d.token_metrics_sql(**GUARDED, shared=SHARED) | topk).items() if n not in skip}
+    metrics = {name: f"CASE WHEN finite THEN {expr} END" for name, expr in d.token_metrics_sql().items()}
+    return {name: expr for name, expr in (metrics | topk).items() if name not in skip}
 
 
 def with_metrics(base: str, stored: Iterable[str] = ()) -> str:
     """A base row set plus every metric of `metrics_sql` not already `stored` as a column of base, and
-    topk_tv / topk_kl unpacked from `topk`. The exponentials several metrics share are computed once a
-    row, in a layer of their own (SHARED), and not returned. Their names (prefix `_m_`) are reserved: a
-    base column of the same name would be read in their place (DuckDB renames the new one)."""
-    exps = ", ".join(f"{expr} AS {SHARED[name]}" for name, expr in d.shared_sql().items())
-    cols = ", ".join(f"{expr} AS {name}" for name, expr in metrics_sql(skip=stored, shared=SHARED).items())
-    return f"""SELECT * EXCLUDE ({', '.join(SHARED.values())}), topk.tv AS topk_tv, topk.kl AS topk_kl
-               FROM (SELECT *, {cols} FROM (SELECT *, {exps} FROM ({base})))"""
+    topk_tv / topk_kl unpacked from `topk`. Two layers below the metrics, not returned: lmu and lpi as NULL
+    on non-finite rows (GUARDED), then the exponentials several metrics share, computed once a row
+    (SHARED). Their names (prefix `_m_`) are reserved: a base column of the same name would be read in
+    their place (DuckDB renames the new one)."""
+    guard = ", ".join(f"CASE WHEN finite THEN {c} END AS {g}" for c, g in GUARDED.items())
+    exps = ", ".join(f"{expr} AS {SHARED[name]}" for name, expr in d.shared_sql(**GUARDED).items())
+    cols = ", ".join(f"{expr} AS {name}" for name, expr in metrics_sql(skip=stored, layered=True).items())
+    own = ", ".join([*GUARDED.values(), *SHARED.values()])
+    return f"""SELECT * EXCLUDE ({own}), topk.tv AS topk_tv, topk.kl AS topk_kl
+               FROM (SELECT *, {cols} FROM (SELECT *, {exps} FROM (SELECT *, {guard} FROM ({base}))))"""
 
 
 def _used(sql: str, params: dict | None) -> dict:

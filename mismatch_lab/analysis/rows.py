@@ -13,7 +13,7 @@ reach the top then reads their rows).
 1-byte ENUMs and the default mu buckets as 1-byte columns, and every rollout-side pass reads that: the
 join of 10^7 tokens is the expensive part. Optional columns the store lacks are constants, neither stored
 nor aggregated; labels with one value in the whole store (a recorded run's run id, rollout and scorer)
-are constants added after the join, not stored (they stay group keys). The scorer side (scorer vs
+are constants added after the join, neither stored nor group keys (each pass adds them to its result). The scorer side (scorer vs
 reference) stays live: it has two passes, one of them without top-K, and none where the materialised
 labels show no reference-scorer row.
 """
@@ -147,6 +147,7 @@ class Rows:
         self._const: dict[str, str] = {}  # rollout-side columns the store lacks: name -> SQL constant
         self._buckets: dict[tuple[str, int], str] = {}  # (scale, n) -> column of the materialised row set
         self._sample_rel: str | None = None  # the rollout row set read from a sample of the temp table
+        self._fixed: dict[str, str] = {}  # label -> SQL constant: its value on every materialised row
         if not self.ok:
             return
         tcols, scols = table_columns(con, "tokens"), table_columns(con, "scores")
@@ -166,7 +167,8 @@ class Rows:
         sql, params = rollout_base(con, self.filters, topk=rollout_topk, enums=enums)
         if materialize:
             # columns the store lacks are constants: added after the join instead of stored per row
-            const = self._const | ({} if "category" in tcols else {"category": "'uncategorized'"}) | self._single()
+            self._fixed = ({} if "category" in tcols else {"category": "'uncategorized'"}) | self._single()
+            const = self._const | self._fixed
             self.sql["rollout"] = (with_metrics(self._materialize("rollout", sql, params, const), STORED_METRICS), {})
         else:
             self.sql["rollout"] = (with_metrics(sql), params)
@@ -258,6 +260,22 @@ class Rows:
             self._cache[key] = sql_of()
         return self._cache[key].copy()
 
+    def _free(self, keys: list[str]) -> list[str]:
+        """The group keys of a pass that vary: a label with one value on every row (_fixed) is no key
+        worth hashing 10^7 times."""
+        return [k for k in keys if k not in self._fixed]
+
+    def _refill(self, sql: str, keys: list[str], order: bool = False) -> str:
+        """SQL: the result of `sql` (a pass grouped by _free(keys)) with `keys` first, the fixed labels
+        among them as the constants they are (so typed as a pass grouping by them would return them);
+        `order`: sorted by the keys."""
+        free = self._free(keys)
+        order_by = f" ORDER BY {', '.join(free)}" if order else ""
+        if free == keys:
+            return sql + order_by
+        cols = ", ".join(f"{self._fixed[k]} AS {k}" if k in self._fixed else k for k in keys)
+        return f"SELECT {cols}, * EXCLUDE ({', '.join(free)}) FROM ({sql}){order_by}"
+
     def grid(self, t: Thresholds, n_linear: int = d.N_LINEAR_BUCKETS, n_log: int = d.N_LOG_BUCKETS) -> pd.DataFrame:
         """Sums per (rollout, scorer, run_id, step, adv_sign, category, lb, gb) of the rollout rows; lb / gb
         are the linear / log mu buckets (-1 where log mu is not finite), step the sequence's training step
@@ -266,11 +284,12 @@ class Rows:
         def run():
             rel, params = self.sql["rollout"]
             lb, gb = self._bucket("linear", n_linear), self._bucket("log", n_log)
+            keys = ["rollout", "scorer", "run_id", "step", "adv_sign", "category"]
             sql = f"""
-                SELECT rollout, scorer, run_id, step, adv_sign, category, {lb} AS lb, {gb} AS gb,
+                SELECT {', '.join(self._free(keys))}, {lb} AS lb, {gb} AS gb,
                     {sums_sql(t, absent=self._const)}
                 FROM ({rel}) GROUP BY ALL"""
-            return query(self.con, sql, params)
+            return query(self.con, self._refill(sql, keys), params)
 
         return self._run(("grid", t, n_linear, n_log), run)
 
@@ -312,10 +331,11 @@ class Rows:
             where = ["true"] if ids is None else ["token_id IN (SELECT unnest($tok_ids))"]
             if clipped:  # r is NULL on non-finite rows, which count_if(r > ...) does not count either
                 where.append(f"(r > {float(t.clip_high)!r} OR r < {float(t.clip_low)!r})")
+            keys = ["rollout", "scorer", "run_id", "token_id", "category"]
             sql = f"""
-                SELECT rollout, scorer, run_id, token_id, category, {sums_sql(t, only, absent=self._const)}
+                SELECT {', '.join(self._free(keys))}, {sums_sql(t, only, absent=self._const)}
                 FROM ({rel}) WHERE {' AND '.join(where)} GROUP BY ALL"""
-            by_id = query(self.con, sql, params | {"tok_ids": ids})
+            by_id = query(self.con, self._refill(sql, keys), params | {"tok_ids": ids})
             named = by_id.merge(self._token_names(), on=["run_id", "token_id"], how="left")
             named["token_id"] = named["token_id"].astype("Int64").where(named["token_text"].isna())
             return rollup(named, ["rollout", "scorer", "token_text", "token_id", "category"])
@@ -371,12 +391,16 @@ class Rows:
         sample = f"SELECT *, {buckets} FROM ({self._sample_rel})" if self._sample_rel else None  # else rel sampled
         by_set = exact_quantiles(
             self.con, f"SELECT *, {buckets} FROM ({rel})", params,
-            {c: ["rollout", "scorer", c] for c in cols}, live, sample_rel=sample, row_bound=self._row_bound(),
+            {c: [*self._free(["rollout", "scorer"]), c] for c in cols}, live, sample_rel=sample,
+            row_bound=self._row_bound(),
         )  # fmt: skip
         names = dict(zip(wanted[0].columns(), R_QUANTILE_COLUMNS, strict=True)) | {f"{w.name}_0": w.name for w in live[1:]}
         frames = []
         for col in cols:
             q = by_set[col].rename(columns={col: "bucket", **names})
+            for label in ("rollout", "scorer"):  # a fixed label was no key of the pass: its one value
+                if label in self._fixed:
+                    q[label] = pd.Series(self._cache["labels"][label][0], index=q.index, dtype=object)
             for name in set(QUANTILE_COLUMNS) - set(q.columns):
                 q[name] = np.nan
             frames.append(q[["rollout", "scorer", "bucket", *QUANTILE_COLUMNS]].astype(dict.fromkeys(QUANTILE_COLUMNS, "float64")))
@@ -396,7 +420,8 @@ class Rows:
 
         def run():
             rel, params = self.sql["scorer_plain" if side == "scorer" else side]
-            keys = "rollout, scorer, run_id, seq_id" + (", reference" if side == "scorer" else "")
+            names = ["rollout", "scorer", "run_id", "seq_id"] + (["reference"] if side == "scorer" else [])
+            keys = ", ".join(self._free(names) if side == "rollout" else names)  # the scorer side is live
             sign = ", any_value(adv_sign) AS adv_sign" if side == "rollout" else ""
             sql = f"""
                 SELECT {keys},
@@ -406,9 +431,8 @@ class Rows:
                     CASE WHEN bool_and(finite) THEN sum(k1) END AS seq_kl_k1,
                     CASE WHEN bool_and(finite) THEN sum(k3) END AS seq_kl_k3
                     {sign}
-                FROM ({rel}) GROUP BY {keys}
-                ORDER BY {keys}"""
-            return query(self.con, sql, params)
+                FROM ({rel}) GROUP BY {keys}"""
+            return query(self.con, self._refill(sql, names, order=True) if side == "rollout" else f"{sql} ORDER BY {keys}", params)
 
         return self._run(("sequences", side), run)
 

@@ -32,9 +32,10 @@ def _grid(rows: Rows) -> pd.DataFrame:
 
 
 def _other_passes(rows: Rows) -> list[pd.DataFrame]:
-    """The per-sequence sums and the linear-bucket quantiles, in a fixed order."""
+    """The per-sequence sums, the linear-bucket quantiles and the token sums, in a fixed order."""
     return [_sorted(rows.sequences("rollout"), ["rollout", "scorer", "run_id", "seq_id"]),
-            _sorted(rows.quantiles("linear", 10), ["rollout", "scorer", "bucket"])]  # fmt: skip
+            _sorted(rows.quantiles("linear", 10), ["rollout", "scorer", "bucket"]),
+            _sorted(rows.token_sums(Thresholds()), ["rollout", "scorer", "token_text", "token_id", "category"])]  # fmt: skip
 
 
 def _same_grid(con: duckdb.DuckDBPyConnection, filters: Filters | None = None) -> set[str]:
@@ -58,6 +59,9 @@ def test_one_run_one_scorer_stores_no_label(tmp_path):
     con = open_store(path)
     stored = _same_grid(con)
     assert not {"rollout", "scorer", "run_id"} & stored
+    with Rows(con, materialize=True) as rows:  # nor keys of its passes: added back to their results
+        assert {"rollout", "scorer", "run_id"} <= set(rows._fixed)
+        assert rows._free(KEYS) == [k for k in KEYS if k not in rows._fixed]
     assert {"lmu", "lpi", "seq_id", "token_id"} <= stored
     con.close()
 
