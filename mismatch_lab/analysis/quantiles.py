@@ -5,7 +5,8 @@ sorted x_0 <= ... <= x_{n-1}, and h = (n - 1) q, the value x_lo (1 - d) + x_hi d
 hi = ceil(h), d = h - lo. An exact aggregate keeps all n values of every group until it is done; on
 10^7 rows and two bucket scales that pass costs more than reading the rows (docs/benchmarks.md). Here:
 
-1. a Bernoulli sample of the rows (about SAMPLE_ROWS of them) gives, per group and wanted quantile, a
+1. a random sample of the rows (about SAMPLE_ROWS of them: Bernoulli, or the caller's own filter keeping
+   each row with that probability) gives, per group and wanted quantile, a
    bracket [a, b] of values that holds x_lo and x_hi with a wide margin (Z standard deviations of the
    sampled rank, plus two ranks, each side);
 2. one pass over all rows sorts each row's value into the regions its cell's brackets cut the line
@@ -107,10 +108,12 @@ def exact_quantiles(
 ) -> dict[str, pd.DataFrame]:
     """Per key set (name -> key columns of `rel`: labels, integers or dates; NULL is a key of its own): a frame of
     its keys and every Wanted's columns, one row per group of rel's rows. Values are read as DOUBLE.
-    `sample_rel`: rel as read from a sample, '{sample}' standing where the sample clause goes (default:
-    rel sampled); `row_bound`: at least rel's row count (sets the sample rate; None: counted);
-    `sample_rows`: the sample's expected size (default SAMPLE_ROWS). Names starting with '_q' are this
-    function's own: neither keys nor parameters may use them."""
+    `sample_rel`: rel as read from a sample, '{sample}' standing where the sample clause goes, or '{share}'
+    where the share of rows to keep goes (a float in (0, 1]: the caller's filter keeps each row with that
+    probability, e.g. by a hash of its row id; default: rel sampled); `row_bound`: at least rel's row
+    count (sets the sample rate; None: counted); `sample_rows`: the sample's expected size (default
+    SAMPLE_ROWS). Names starting with '_q' are this function's own: neither keys nor parameters may use
+    them."""
     cells = list(dict.fromkeys(k for keys in sets.values() for k in keys))
     types = _check(con, rel, params, sets, cells)
     head = f"SELECT {', '.join(cells)}, {', '.join(f'{w.sql()} AS _qv_{w.name}' for w in wanted)} FROM "
@@ -119,7 +122,8 @@ def exact_quantiles(
         row_bound = con.execute(f"SELECT count(*) FROM ({rel})", _used(rel, params)).fetchone()[0]
     pct = 100.0 * min(1.0, (SAMPLE_ROWS if sample_rows is None else sample_rows) / max(row_bound, 1))
     clause = f"USING SAMPLE {pct!r} PERCENT (bernoulli, {SEED})"
-    sampled = f"{head}({(sample_rel or f'SELECT * FROM ({rel}) {{sample}}').replace('{sample}', clause)})"
+    from_sample = (sample_rel or f"SELECT * FROM ({rel}) {{sample}}").replace("{sample}", clause)
+    sampled = f"{head}({from_sample.replace('{share}', repr(pct / 100.0))})"
     brackets, sampled_cells = _from_sample(con, sampled, params, sets, cells, wanted)
     hulls = _hulls(sampled_cells, cells, sets, brackets, wanted)
     counted = _pass(con, full, params, types, wanted, hulls)

@@ -30,6 +30,7 @@ import numpy as np
 import pandas as pd
 
 from mismatch_lab.analysis import definitions as d
+from mismatch_lab.analysis.quantiles import SEED as SAMPLE_SEED
 from mismatch_lab.analysis.quantiles import Wanted, exact_quantiles
 from mismatch_lab.analysis.relations import (
     STORED_METRICS,
@@ -201,8 +202,11 @@ class Rows:
         self._tables.append(table)
         self._buckets |= buckets
         added = "".join(f", {expr} AS {name}" for name, expr in const.items())
-        # the quantiles' sample is drawn from the stored rows, before any metric is computed
-        self._sample_rel = with_metrics(f"SELECT *{added} FROM temp.{table} {{sample}}", STORED_METRICS)
+        # the quantiles' sample is drawn from the stored rows, before any metric is computed: a row is kept
+        # when the hash of its row id falls in the sampled share of the hash range (a filter both threads
+        # run, where a Bernoulli draw runs on one)
+        keep = f"WHERE hash(rowid, {SAMPLE_SEED}) < {{share}} * {2.0**64!r}"
+        self._sample_rel = with_metrics(f"SELECT *{added} FROM temp.{table} {keep}", STORED_METRICS)
         return f"SELECT *{added} FROM temp.{table}"
 
     def _bucket(self, scale: str, n_buckets: int) -> str:
@@ -274,7 +278,8 @@ class Rows:
         if free == keys:
             return sql + order_by
         cols = ", ".join(f"{self._fixed[k]} AS {k}" if k in self._fixed else k for k in keys)
-        return f"SELECT {cols}, * EXCLUDE ({', '.join(free)}) FROM ({sql}){order_by}"
+        rest = f"* EXCLUDE ({', '.join(free)})" if free else "*"
+        return f"SELECT {cols}, {rest} FROM ({sql}){order_by}"
 
     def grid(self, t: Thresholds, n_linear: int = d.N_LINEAR_BUCKETS, n_log: int = d.N_LOG_BUCKETS) -> pd.DataFrame:
         """Sums per (rollout, scorer, run_id, step, adv_sign, category, lb, gb) of the rollout rows; lb / gb
@@ -375,7 +380,7 @@ class Rows:
 
     def _quantile_passes(self, scales: list[tuple[str, int]]) -> list[pd.DataFrame]:
         """quantiles() for each (scale, n_buckets), all in one pass (analysis.quantiles: exact, without
-        holding every value; a Bernoulli sample places the brackets)."""
+        holding every value; a random sample places the brackets)."""
         ok = "finite AND isfinite(tv_exact)"
         wanted = [
             Wanted("r", "r", tuple(d.RATIO_QUANTILES)),

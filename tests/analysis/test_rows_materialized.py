@@ -104,3 +104,18 @@ def test_a_single_label_quoted(tmp_path, name):
     with Rows(con, materialize=True) as rows:
         assert "it's" in set(_grid(rows)[name].astype(str).str.split(":").str[0])
     con.close()
+
+
+def test_the_quantile_sample_keeps_its_share_of_the_stored_rows(tmp_path):
+    """The materialised row set's sample (a hash of the row id against the share of the hash range) keeps
+    about the share it is given: all rows at 1, about a tenth at 0.1, none at 0."""
+    path = tmp_path / "s.duckdb"
+    synthetic_store(path, SyntheticSpec(rollouts=("vllm:bf16",), scorers=("hf:fp32",), n_sequences=200, max_len=60, seed=6))
+    con = open_store(path)
+    with Rows(con, materialize=True) as rows:
+        (n,) = con.execute(f"SELECT count(*) FROM ({rows.sql['rollout'][0]})").fetchone()
+        kept = {share: con.execute(f"SELECT count(*) FROM ({rows._sample_rel.replace('{share}', repr(share))})").fetchone()[0]
+                for share in (1.0, 0.1, 0.0)}  # fmt: skip
+    assert n > 2000 and kept[1.0] == n and kept[0.0] == 0
+    assert abs(kept[0.1] - 0.1 * n) < 5 * (n * 0.09) ** 0.5  # five binomial standard deviations
+    con.close()
