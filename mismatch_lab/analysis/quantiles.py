@@ -27,7 +27,6 @@ come from the union ("hull") of the brackets of every group it belongs to.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import uuid
 import warnings
@@ -141,16 +140,20 @@ def exact_quantiles(
 
 def _from_sample(con, sampled: str, params: dict, sets: dict[str, list[str]], cells: list[str],
                  wanted: list[Wanted]) -> tuple[dict[str, dict], list[tuple]]:  # fmt: skip
-    """Step 1: the sample drawn once into a temporary table; per key set its groups' brackets, and the
-    sampled cells."""
-    sample = f"_ml_sample_{uuid.uuid4().hex[:10]}"
-    con.execute(f"CREATE TEMP TABLE {sample} AS {sampled}", _used(sampled, params))
-    try:
-        brackets = {s: _brackets(con, f"temp.{sample}", keys, wanted) for s, keys in sets.items()}
-        return brackets, _keys(_fetch(con, f"SELECT DISTINCT {', '.join(cells)} FROM temp.{sample}", {}), cells)
-    finally:
-        with contextlib.suppress(duckdb.Error):  # never hide the error that got here
-            con.execute(f"DROP TABLE IF EXISTS temp.{sample}")
+    """Step 1: the sample, fetched once; per key set its groups' brackets, and the sampled cells."""
+    frame = _fetch(con, sampled, params)
+    values = {w.name: frame[f"_qv_{w.name}"].to_numpy(dtype=np.float64, na_value=np.nan) for w in wanted}
+    brackets = {s: _brackets(_groups(frame, keys), values, wanted) for s, keys in sets.items()}
+    return brackets, list(_groups(frame, cells))
+
+
+def _groups(frame: pd.DataFrame, keys: list[str]) -> dict[tuple, np.ndarray]:
+    """The row positions of each group of `keys` in `frame`, keyed by its key tuple (_norm values: NULL is
+    a key of its own)."""
+    if frame.empty:
+        return {}
+    indices = frame.groupby(keys, dropna=False, sort=False).indices
+    return {tuple(_norm(v) for v in (k if isinstance(k, tuple) else (k,))): i for k, i in indices.items()}
 
 
 def _check(con, rel: str, params: dict, sets: dict[str, list[str]], cells: list[str]) -> dict[str, str]:
@@ -182,16 +185,15 @@ def _keys(frame: pd.DataFrame, keys: list[str]) -> list[tuple]:
     return [tuple(_norm(v) for v in row) for row in frame[keys].itertuples(index=False, name=None)]
 
 
-def _brackets(con, sample: str, keys: list[str], wanted: list[Wanted]) -> dict[tuple, dict[str, float]]:
-    """Per group of `keys` in the sample table: {a_{name}_{i}, b_{name}_{i}}, NaN where the group keeps
-    every value (fewer than MIN_SAMPLE sampled values)."""
-    lists = ", ".join(f"list_sort(list(_qv_{w.name}) FILTER (WHERE NOT isnan(_qv_{w.name}))) AS _qs_{w.name}"
-                      for w in wanted)  # fmt: skip
-    frame = _fetch(con, f"SELECT {', '.join(keys)}, {lists} FROM {sample} GROUP BY ALL", {})
-    out: dict[tuple, dict[str, float]] = {key: {} for key in _keys(frame, keys)}
+def _brackets(groups: dict[tuple, np.ndarray], values: dict[str, np.ndarray],
+              wanted: list[Wanted]) -> dict[tuple, dict[str, float]]:  # fmt: skip
+    """Per group of the sample (its row positions): {a_{name}_{i}, b_{name}_{i}} from its sorted values
+    (NULL and NaN left out), NaN where the group keeps every value (fewer than MIN_SAMPLE of them)."""
+    out: dict[tuple, dict[str, float]] = {key: {} for key in groups}
     for w in wanted:
-        for key, values in zip(out, frame[f"_qs_{w.name}"].tolist(), strict=True):
-            v = np.asarray(values if values is not None else [], dtype=np.float64)
+        for key, rows in groups.items():
+            v = values[w.name][rows]
+            v = np.sort(v[~np.isnan(v)])
             for i, q in enumerate(w.levels):
                 out[key][f"a_{w.name}_{i}"], out[key][f"b_{w.name}_{i}"] = _bracket(v, q)
     return out
