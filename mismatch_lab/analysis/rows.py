@@ -412,10 +412,12 @@ class Rows:
         return frames
 
     def _row_bound(self) -> int:
-        """An upper bound of the rollout row set's rows: the store's score rows (one per token and scorer).
-        Read from table or Parquet metadata, so it costs no pass over the (possibly live) join."""
+        """An upper bound of the rollout row set's rows: the materialised rows, else the store's score rows
+        (one per token and scorer). Read from table or Parquet metadata, so it costs no pass over the
+        (possibly live) join."""
         if "row_bound" not in self._cache:
-            self._cache["row_bound"] = int(self.con.execute("SELECT count(*) FROM scores").fetchone()[0])
+            table = f"temp.{self._tables[0]}" if self._tables else "scores"
+            self._cache["row_bound"] = int(self.con.execute(f"SELECT count(*) FROM {table}").fetchone()[0])
         return self._cache["row_bound"]
 
     def sequences(self, side: str) -> pd.DataFrame:
