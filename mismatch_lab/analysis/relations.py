@@ -23,6 +23,7 @@ import duckdb
 import pandas as pd
 
 from mismatch_lab.analysis import definitions as d
+from mismatch_lab.store.aligned import MISALIGNED
 
 
 def as_list(value: str | Iterable[str] | None) -> list[str] | None:
@@ -83,14 +84,16 @@ class Filters:
     def make(cls, rollout=None, scorer=None, run_ids=None) -> Filters:
         return cls(as_list(rollout), as_list(scorer), as_list(run_ids))
 
-    def where(self, rollout_sql: str, scorer_sql: str, run_sql: str) -> tuple[str, dict]:
+    def where(self, rollout_sql: str | None, scorer_sql: str, run_sql: str | None) -> tuple[str, dict]:
+        """SQL condition + params of the filters on these expressions; one given as None is left out
+        (decided by the caller)."""
         clauses, params = [], {}
         for name, values, expr in (
             ("f_rollout", self.rollout, rollout_sql),
             ("f_scorer", self.scorer, scorer_sql),
             ("f_run", self.run_ids, run_sql),
         ):
-            if values is not None:
+            if values is not None and expr is not None:
                 clauses.append(f"list_contains(${name}::VARCHAR[], {expr})")
                 params[name] = values
         return (" AND ".join(clauses) or "true"), params
@@ -129,30 +132,36 @@ def rollout_base(
     topk: bool = True,
     advantage: bool = True,
     enums: dict[str, str] | None = None,
+    aligned: list[tuple[str, str]] | None = None,
 ) -> tuple[str, dict]:
     """SQL + params: one row per (token, scorer) with rollout, scorer, run_id, seq_id, token_id, category,
     entropy, tv_exact (scores.tv_exact_vs_ref), lmu, lpi, finite; with topk the top-K parts (TOPK_STORED,
     mu's recorded top-K against the scorer's logps_at_rollout_topk; else NULL); with advantage the
     sequence's step and adv_sign
     ('positive' / 'negative' / NULL). `enums` (column -> ENUM type) casts those label columns where the
-    fewest rows pass: the rollout label and the run id on `runs`, the category on `tokens`, before the join."""
+    fewest rows pass: the rollout label and the run id on `runs`, the category on `tokens`, before the join.
+    `aligned`: (run_id, tokens, scores) of row-aligned slices (store.aligned.parts): tokens and scores are
+    then paired by position within each slice the filters keep instead of joined on their keys, and a pair
+    whose (seq_id, pos) differ raises store.aligned.MISALIGNED (the caller then joins on keys). Only for
+    stores of one scorer: with several, a scorer filter could drop a misaligned pair before its check.
+    With no slice kept, the key join (no rows, the same columns)."""
     enums = enums or {}
 
     def cast(expr: str, name: str) -> str:
         return f"({expr})::{enums[name]}" if name in enums else expr
 
     tcols, scols = table_columns(con, "tokens"), table_columns(con, "scores")
-    where, params = filters.where("runs.rollout::VARCHAR", "s.scorer", "t.run_id")
-    one = _one_run(con, filters, params)
-    only = f"WHERE {one}" if one else ""
     category = cast(f"coalesce({col(tcols, 'tokens', 'category', 'VARCHAR')}, 'uncategorized')", "category")
-    tok = f"""SELECT run_id, seq_id, pos, logp_rollout, token_id, category {', ' + _anchor() if topk else ''}
+
+    def tok(source: str, restrict: str) -> str:
+        return f"""SELECT run_id, seq_id, pos, logp_rollout, token_id, category {', ' + _anchor() if topk else ''}
               FROM (SELECT run_id, seq_id, pos, logp_rollout,
                            {col(tcols, 'tokens', 'token_id', 'INTEGER')} AS token_id,
                            {category} AS category,
                            {col(tcols, 'tokens', 'topk_ids_rollout', 'INTEGER[]')} AS k_ids,
                            {col(tcols, 'tokens', 'topk_logps_rollout', 'DOUBLE[]')} AS k_a
-                    FROM tokens {only})"""
+                    FROM {source} AS tokens {restrict})"""
+
     pair = d.topk_pair_sql(col(scols, "s", "logps_at_rollout_topk", "DOUBLE[]"))
     cols = [
         f"{col(scols, 's', 'entropy', 'DOUBLE')} AS entropy",
@@ -161,26 +170,59 @@ def rollout_base(
     cols += [f"t.{c}" for c in ("k_extra", "k_mass_a")] + [f"{e} AS {n}" for n, e in pair.items()] if topk else [
         f"{typed_null('BOOLEAN' if c in ('k_extra', 'k_ok') else 'DOUBLE')} AS {c}" for c in TOPK_STORED
     ]
-    adv_join = ""
-    if advantage:
-        sign = advantage_sql(con, enums.get("adv_sign", "VARCHAR"))
-        adv_join = f"LEFT JOIN (SELECT * FROM ({sign}) {only}) adv ON {_join_on('adv', 't', one, ('seq_id',))}"
-        cols += ["adv.adv_sign", "adv.step"]
     nonfinite = col(scols, "s", "nonfinite", "BOOLEAN")
-    # labels are cast where the fewest rows pass: the run id on `runs` (one row a run), not on every token
-    runs = f"SELECT run_id, {cast('run_id', 'run_id')} AS run_label, {cast(d.ROLLOUT_LABEL_SQL, 'rollout')} AS rollout FROM runs"
-    base = f"""
+    sign = advantage_sql(con, enums.get("adv_sign", "VARCHAR")) if advantage else ""
+    cols += ["adv.adv_sign", "adv.step"] if advantage else []
+
+    def base(pairs: str, labels: str, adv: str, where: str) -> str:
+        """The SELECT over `pairs` (aliases t, s) joined to `labels` (alias runs: rollout, run_label) and
+        left-joined to `adv` (a join's right side and ON clause, alias adv), filtered by `where`."""
+        return f"""
         SELECT runs.rollout, {cast('s.scorer', 'scorer')} AS scorer, runs.run_label AS run_id,
                t.seq_id, t.token_id, t.category,
                t.logp_rollout AS lmu, s.logp AS lpi,
                {d.finite_sql('t.logp_rollout', 's.logp', nonfinite)} AS finite,
                {', '.join(cols)}
-        FROM ({tok}) t
-        JOIN (SELECT * FROM scores {only}) s ON {_join_on('s', 't', one)}
-        JOIN ({runs}) runs ON runs.run_id = t.run_id
-        {adv_join}
+        FROM {pairs} {labels}
+        {f"LEFT JOIN {adv}" if advantage else ""}
         WHERE {where}"""
-    return base, params
+
+    # labels are cast where the fewest rows pass: on `runs` (one row a run), not on every token
+    runs = f"SELECT run_id, {cast('run_id', 'run_id')} AS run_label, {cast(d.ROLLOUT_LABEL_SQL, 'rollout')} AS rollout FROM runs"
+    slices = _aligned_slices(con, filters, aligned or [])
+    if not slices:
+        where, params = filters.where("runs.rollout::VARCHAR", "s.scorer", "t.run_id")
+        one = _one_run(con, filters, params)
+        only = f"WHERE {one}" if one else ""
+        pairs = f"({tok('tokens', only)}) t JOIN (SELECT * FROM scores {only}) s ON {_join_on('s', 't', one)}"
+        adv = f"(SELECT * FROM ({sign}) {only}) adv ON {_join_on('adv', 't', one, ('seq_id',))}"
+        return base(pairs, f"JOIN ({runs}) runs ON runs.run_id = t.run_id", adv, where), params
+    # a slice holds one run's rows: its labels come from that run's `runs` row, and only the scorer filter
+    # is left to the rows (a filter on one side of a positional join would shift the pairing). The small
+    # sides are computed once (MATERIALIZED), not once a slice.
+    where, params = filters.where(None, "s.scorer", None)
+    check = f"CASE WHEN t.seq_id = s.seq_id AND t.pos = s.pos THEN true ELSE error('{MISALIGNED}') END"
+    parts = []
+    for k, (run, ts, ss) in enumerate(slices):
+        params[f"run_{k}"] = run
+        labels = f"CROSS JOIN (FROM _runs WHERE run_id = $run_{k}) runs"
+        adv = f"(FROM _adv WHERE run_id = $run_{k}) adv ON adv.seq_id = t.seq_id"
+        parts.append(base(f"({tok(ts, '')}) t POSITIONAL JOIN {ss} s", labels, adv, f"{where} AND {check}"))
+    small = f"_runs AS MATERIALIZED ({runs})" + (f", _adv AS MATERIALIZED ({sign})" if advantage else "")
+    return f"WITH {small} SELECT * FROM ({' UNION ALL '.join(parts)})", params
+
+
+def _aligned_slices(
+    con: duckdb.DuckDBPyConnection, filters: Filters, aligned: list[tuple[str, str, str]]
+) -> list[tuple[str, str, str]]:
+    """The (run_id, tokens, scores) slices of `aligned` whose run has a `runs` row and passes the run and
+    rollout filters (decided here, once a slice)."""
+    if not aligned:
+        return []
+    labels = dict(con.execute(f"SELECT run_id, {d.ROLLOUT_LABEL_SQL} FROM runs").fetchall())
+    return [(run, ts, ss) for run, ts, ss in aligned if run in labels
+            and (filters.run_ids is None or run in filters.run_ids)
+            and (filters.rollout is None or labels[run] in filters.rollout)]  # fmt: skip
 
 
 def _one_run(con: duckdb.DuckDBPyConnection, filters: Filters, params: dict) -> str:

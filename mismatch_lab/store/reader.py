@@ -10,7 +10,8 @@
       folders count only below `<dir>/<table>/` (a store under `runs/seed=3/` gains no column `seed`).
   (c) a study directory `studies/<name>/` (or its study.toml): its `results/` directory, as in (b).
   (d) a shard store (recorded and imported runs, `store.shards`): read as (b), its `runs` folded to one
-      row per run from the per-rank rows (`shards.RUNS_VIEW`).
+      row per run from the per-rank rows (`shards.RUNS_VIEW`); its tokens and scores are also offered
+      in row-aligned slices of units (`store.aligned`), which `analyze` joins by position.
 Anything else raises `UserError` naming the fix.
 """
 
@@ -28,6 +29,7 @@ from urllib.parse import unquote
 import duckdb
 
 from mismatch_lab.errors import UserError
+from mismatch_lab.store import aligned
 from mismatch_lab.store.schema import DDL, TABLES
 from mismatch_lab.store.shards import RUNS_VIEW, committed_files, is_shard_store
 
@@ -115,7 +117,14 @@ def _quote(path: str) -> str:
     return "'" + path.replace("'", "''") + "'"
 
 
-def _parquet_sources(d: Path, contract: dict[str, list[tuple[str, str]]] | None = None) -> dict[str, str]:
+def read_files(files: list[str]) -> str:
+    """SQL reading the Parquet `files` in order as one relation (their columns by name, no hive keys)."""
+    return f"read_parquet([{', '.join(_quote(f) for f in files)}], union_by_name = true, hive_partitioning = false)"
+
+
+def _parquet_sources(
+    d: Path, contract: dict[str, list[tuple[str, str]]] | None = None, shard_files: dict[str, list[str]] | None = None
+) -> dict[str, str]:
     """table -> a relation (SQL) reading the table's Parquet files in directory d. A shard store is read
     from its committed shards only (`shards.committed_files`): a unit whose commit a crash cut short is
     invisible until it is written again. DuckDB's own hive parsing is off everywhere: it reads `key=value`
@@ -123,10 +132,8 @@ def _parquet_sources(d: Path, contract: dict[str, list[tuple[str, str]]] | None 
     have `step` overwritten); a partitioned table folder gets its keys from below the folder only."""
     out = {}
     if is_shard_store(d):
-        for table, files in committed_files(d).items():
-            files_sql = "[" + ", ".join(_quote(f) for f in files) + "]"
-            out[table] = f"read_parquet({files_sql}, union_by_name = true, hive_partitioning = false)"
-        return out
+        files = committed_files(d) if shard_files is None else shard_files
+        return {table: read_files(paths) for table, paths in files.items()}
     for table in TABLES:
         if (d / f"{table}.parquet").is_file():
             out[table] = f"read_parquet({_quote(str(d / f'{table}.parquet'))}, hive_partitioning = false)"
@@ -204,8 +211,9 @@ def _contract_columns() -> dict[str, list[tuple[str, str]]]:
 
 def _open_parquet_dir(d: Path) -> duckdb.DuckDBPyConnection:
     contract = _contract_columns()
-    sources = _parquet_sources(d, contract)
     shards = is_shard_store(d)
+    files = committed_files(d) if shards else None
+    sources = _parquet_sources(d, contract, files)
     con = duckdb.connect()
     con.execute(f"CREATE TABLE {FILLED_COLUMNS}(table_name VARCHAR, column_name VARCHAR)")
     for table in TABLES:
@@ -228,6 +236,8 @@ def _open_parquet_dir(d: Path) -> duckdb.DuckDBPyConnection:
                                if name not in ("run_id", "status"))
             select = RUNS_VIEW.format(firsts=firsts, source=f"({select})")
         con.execute(f"CREATE VIEW {table} AS {select}")
+    if shards:
+        aligned.declare(con, d, files)
     return con
 
 
