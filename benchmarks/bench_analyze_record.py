@@ -19,6 +19,9 @@ the store:
   * one pass-run  the same query joined the way analyze joins the rows of one run (both sides restricted
                to the run, joined on seq_id, pos): the baseline that reads the rows as analyze reads them,
                so the fair one for the ratio (analyze gains nothing from joining differently);
+  * one pass-aligned  the same query reading the rows as analyze reads this store: its row-aligned slices
+               paired by position (store.aligned), each pair's (seq_id, pos) compared, no hash join of the
+               tokens: the cheapest single pass over these rows that we know of;
   * noquant    (only with --floor) a diagnostic, not a mode of analyze: analyze with the per-bucket
                quantile pass replaced by an empty table (every quantile NaN), i.e. what analyze would
                cost with quantiles for free: a floor for any quantile method on this layout.
@@ -48,6 +51,8 @@ from pathlib import Path
 OUT = Path(__file__).resolve().parent / "out"
 B, T = 64, 1024
 FUSED = ("fused-exact", "fused-reservoir", "fused-none")
+BASES = ("onepass", "onepass-run", "onepass-aligned")
+"""The one-pass baselines, each measured in every round (docstring)."""
 
 MEANS = """
     SELECT r.engine AS rollout, s.scorer, q.step, count(*) AS n,
@@ -63,8 +68,27 @@ ONE_RUN = MEANS + """
     FROM (FROM tokens WHERE run_id = $run) t JOIN (FROM scores WHERE run_id = $run) s USING (seq_id, pos)
     JOIN (FROM sequences WHERE run_id = $run) q USING (seq_id) JOIN (FROM runs WHERE run_id = $run) r ON true
     GROUP BY ALL"""
-"""ONE_PASS as it reads a store of one run when it joins the way analyze does (relations._one_run): both
-sides restricted to the run, joined on (seq_id, pos) without the run id string."""
+"""ONE_PASS as it reads a store of one run joined on keys the way analyze joins a store that offers no
+aligned slices (relations._one_run): both sides restricted to the run, joined on (seq_id, pos) without the
+run id string."""
+
+
+def one_aligned(con) -> tuple[str, dict]:
+    """ONE_PASS reading the rows as analyze reads a recorded store of one run: the store's row-aligned
+    slices (store.aligned) paired by position, each pair's (seq_id, pos) compared, the sequences and the
+    runs row joined once."""
+    from mismatch_lab.store.aligned import parts
+
+    slices = parts(con)
+    assert slices and len({run for run, _, _ in slices}) == 1, "the benchmark's store holds one run"
+    pairs = " UNION ALL ".join(
+        f"SELECT t.seq_id, t.logp_rollout AS lmu, s.logp AS lpi, s.scorer FROM {ts} t POSITIONAL JOIN {ss} s "
+        "WHERE t.seq_id = s.seq_id AND t.pos = s.pos" for _, ts, ss in slices)
+    means = MEANS.replace("t.logp_rollout", "p.lmu").replace("s.logp", "p.lpi").replace("s.scorer", "p.scorer")
+    return means + f"""
+    FROM ({pairs}) p JOIN (FROM sequences WHERE run_id = $run) q USING (seq_id)
+    JOIN (FROM runs WHERE run_id = $run) r ON true
+    GROUP BY ALL""", {"run": slices[0][0]}
 
 
 def cpu_model() -> str:
@@ -126,6 +150,10 @@ def measure(store: str, what: str) -> dict:
         (run,) = con.execute("SELECT run_id FROM runs").fetchone()  # the benchmark's store holds one run
         rows = con.execute(ONE_RUN, {"run": run}).fetchall()
         extra = {"groups": len(rows)}
+    elif what == "onepass-aligned":  # the build sides as analyze keeps them (rows.WRITE_SETTINGS)
+        con.execute("SET disabled_optimizers = 'build_side_probe_side'")
+        rows = con.execute(*one_aligned(con)).fetchall()
+        extra = {"groups": len(rows)}
     elif what == "onepass":
         rows = con.execute(ONE_PASS).fetchall()
         extra = {"groups": len(rows)}
@@ -156,7 +184,7 @@ def free_quantiles() -> None:
 
 
 def fused_sql(con, quantiles: str) -> tuple[str, dict]:
-    """The --fused diagnostic's one statement: the rows analyze materialises (the same join, labels, mu
+    """The --fused diagnostic's one statement: the rows analyze materialises (the same join or aligned slices, labels, mu
     buckets and constants for the columns the store lacks) as a MATERIALIZED common table expression, and
     the union of analyze's grid of sums, its per-sequence sums, the token counts of the ratio-clipped rows
     and (quantiles 'exact' / 'reservoir' / 'none') the per-bucket quantiles of r and binary TV."""
@@ -173,8 +201,11 @@ def fused_sql(con, quantiles: str) -> tuple[str, dict]:
     from mismatch_lab.analysis.rows import DEFAULT_BUCKETS, Rows, Thresholds, sums_sql
 
     rows = Rows(con)  # live: only its enums and the constants of absent columns are used
-    base, params = rollout_base(con, Filters(), topk=False, enums=rows._enums())
-    assert set(params) <= {"one_run"}, "the diagnostic reads the whole store (no filters)"
+    from mismatch_lab.store.aligned import parts
+
+    con.execute("SET disabled_optimizers = 'build_side_probe_side'")  # as analyze writes its rows (WRITE_SETTINGS)
+    base, params = rollout_base(con, Filters(), topk=False, enums=rows._enums(), aligned=parts(con))  # as analyze reads
+    assert not any(k.startswith("f_") for k in params), "the diagnostic reads the whole store (no filters)"
     # the base is read without top-K (topk=False above): its divergences are NULL whatever the store holds
     const = rows._const | {"topk": typed_null("STRUCT(tv DOUBLE, kl DOUBLE)")} | (
         {} if "category" in table_columns(con, "tokens") else {"category": "'uncategorized'"})
@@ -216,12 +247,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=10_000_000)
     ap.add_argument("--repeat", type=int, default=1)
-    ap.add_argument("--skip", nargs="*", default=[], choices=["analyze", "onepass", "onepass-run"])
+    ap.add_argument("--skip", nargs="*", default=[], choices=["analyze", *BASES])
     ap.add_argument("--floor", action="store_true",
                     help="also run analyze with the quantile pass replaced by an empty table (a diagnostic)")
     ap.add_argument("--fused", action="store_true",
                     help="also run the one-statement lower bound with exact, sampled and no quantiles (a diagnostic)")
-    ap.add_argument("--child", choices=["analyze", "onepass", "onepass-run", "noquant", *FUSED], help=argparse.SUPPRESS)
+    ap.add_argument("--child", choices=["analyze", *BASES, "noquant", *FUSED], help=argparse.SUPPRESS)
     ap.add_argument("--store", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -238,7 +269,7 @@ def main() -> int:
     print(f"store: {n:,} tokens, {size:.2f} GiB of Parquet; CPU: {cpu_model()}")
     for i in range(args.repeat):
         res = {}
-        for what in ("onepass", "onepass-run", "analyze", *(["noquant"] if args.floor else []), *(FUSED if args.fused else [])):
+        for what in (*BASES, "analyze", *(["noquant"] if args.floor else []), *(FUSED if args.fused else [])):
             if what in args.skip:
                 continue
             load = os.getloadavg()[0]
@@ -247,7 +278,7 @@ def main() -> int:
             print(f"  [{i + 1}] {what:<8} {r['seconds']:7.2f} s  ({r['cpu_s']:.2f} s CPU)  peak RSS {r['peak_gib']:.2f} GiB  "
                   f"(imports before the clock {r['import_s']:.2f} s; load before {load:.1f}) {r.get('phases', '')}", flush=True)
         for what in ("analyze", "noquant", *FUSED):
-            for base in ("onepass", "onepass-run"):
+            for base in BASES:
                 if what in res and base in res:
                     wall, cpu = (res[what][k] / res[base][k] for k in ("seconds", "cpu_s"))
                     print(f"  [{i + 1}] {what} / {base.replace('onepass', 'one pass')} = {wall:.2f}x wall ({cpu:.2f}x CPU time)")
