@@ -22,6 +22,8 @@ the store:
   * one pass-aligned  the same query reading the rows as analyze reads this store: its row-aligned slices
                paired by position (store.aligned), each pair's (seq_id, pos) compared, no hash join of the
                tokens: the cheapest single pass over these rows that we know of;
+  * keyjoin    (only with --keyjoin) analyze with the store's aligned slices ignored: tokens and scores
+               hash-joined on their keys, as analyze read every store before store.aligned;
   * noquant    (only with --floor) a diagnostic, not a mode of analyze: analyze with the per-bucket
                quantile pass replaced by an empty table (every quantile NaN), i.e. what analyze would
                cost with quantiles for free: a floor for any quantile method on this layout.
@@ -135,6 +137,10 @@ def measure(store: str, what: str) -> dict:
     if not what.startswith("onepass"):  # imported before the clock starts: pandas and the analyses, a fixed cost
         from mismatch_lab.analysis import run_all
         from mismatch_lab.analysis.command import to_json
+    if what == "keyjoin":  # analyze as it was before the aligned slices: tokens and scores joined on keys
+        from mismatch_lab.analysis import rows
+
+        rows.aligned_parts = lambda con: []
     if what == "noquant":
         free_quantiles()
     if what.startswith("fused-"):
@@ -248,11 +254,13 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=10_000_000)
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--skip", nargs="*", default=[], choices=["analyze", *BASES])
+    ap.add_argument("--keyjoin", action="store_true",
+                    help="also run analyze joining tokens and scores on keys, as before the aligned slices")
     ap.add_argument("--floor", action="store_true",
                     help="also run analyze with the quantile pass replaced by an empty table (a diagnostic)")
     ap.add_argument("--fused", action="store_true",
                     help="also run the one-statement lower bound with exact, sampled and no quantiles (a diagnostic)")
-    ap.add_argument("--child", choices=["analyze", *BASES, "noquant", *FUSED], help=argparse.SUPPRESS)
+    ap.add_argument("--child", choices=["analyze", *BASES, "keyjoin", "noquant", *FUSED], help=argparse.SUPPRESS)
     ap.add_argument("--store", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -269,7 +277,8 @@ def main() -> int:
     print(f"store: {n:,} tokens, {size:.2f} GiB of Parquet; CPU: {cpu_model()}")
     for i in range(args.repeat):
         res = {}
-        for what in (*BASES, "analyze", *(["noquant"] if args.floor else []), *(FUSED if args.fused else [])):
+        for what in (*BASES, "analyze", *(["keyjoin"] if args.keyjoin else []), *(["noquant"] if args.floor else []),
+                     *(FUSED if args.fused else [])):
             if what in args.skip:
                 continue
             load = os.getloadavg()[0]
@@ -277,7 +286,7 @@ def main() -> int:
             r = res[what]
             print(f"  [{i + 1}] {what:<8} {r['seconds']:7.2f} s  ({r['cpu_s']:.2f} s CPU)  peak RSS {r['peak_gib']:.2f} GiB  "
                   f"(imports before the clock {r['import_s']:.2f} s; load before {load:.1f}) {r.get('phases', '')}", flush=True)
-        for what in ("analyze", "noquant", *FUSED):
+        for what in ("analyze", "keyjoin", "noquant", *FUSED):
             for base in BASES:
                 if what in res and base in res:
                     wall, cpu = (res[what][k] / res[base][k] for k in ("seconds", "cpu_s"))

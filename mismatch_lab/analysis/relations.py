@@ -16,7 +16,7 @@ category counts as 'uncategorized', and a run without engine_dtype is labelled b
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import duckdb
@@ -132,7 +132,7 @@ def rollout_base(
     topk: bool = True,
     advantage: bool = True,
     enums: dict[str, str] | None = None,
-    aligned: list[tuple[str, str]] | None = None,
+    aligned: list[tuple[str, str, str]] | None = None,
 ) -> tuple[str, dict]:
     """SQL + params: one row per (token, scorer) with rollout, scorer, run_id, seq_id, token_id, category,
     entropy, tv_exact (scores.tv_exact_vs_ref), lmu, lpi, finite; with topk the top-K parts (TOPK_STORED,
@@ -145,71 +145,103 @@ def rollout_base(
     whose (seq_id, pos) differ raises store.aligned.MISALIGNED (the caller then joins on keys). Only for
     stores of one scorer: with several, a scorer filter could drop a misaligned pair before its check.
     With no slice kept, the key join (no rows, the same columns)."""
-    enums = enums or {}
-
-    def cast(expr: str, name: str) -> str:
-        return f"({expr})::{enums[name]}" if name in enums else expr
-
-    tcols, scols = table_columns(con, "tokens"), table_columns(con, "scores")
-    category = cast(f"coalesce({col(tcols, 'tokens', 'category', 'VARCHAR')}, 'uncategorized')", "category")
-
-    def tok(source: str, restrict: str) -> str:
-        return f"""SELECT run_id, seq_id, pos, logp_rollout, token_id, category {', ' + _anchor() if topk else ''}
-              FROM (SELECT run_id, seq_id, pos, logp_rollout,
-                           {col(tcols, 'tokens', 'token_id', 'INTEGER')} AS token_id,
-                           {category} AS category,
-                           {col(tcols, 'tokens', 'topk_ids_rollout', 'INTEGER[]')} AS k_ids,
-                           {col(tcols, 'tokens', 'topk_logps_rollout', 'DOUBLE[]')} AS k_a
-                    FROM {source} AS tokens {restrict})"""
-
-    pair = d.topk_pair_sql(col(scols, "s", "logps_at_rollout_topk", "DOUBLE[]"))
-    cols = [
-        f"{col(scols, 's', 'entropy', 'DOUBLE')} AS entropy",
-        f"{col(scols, 's', 'tv_exact_vs_ref', 'DOUBLE')} AS tv_exact",
-    ]
-    cols += [f"t.{c}" for c in ("k_extra", "k_mass_a")] + [f"{e} AS {n}" for n, e in pair.items()] if topk else [
-        f"{typed_null('BOOLEAN' if c in ('k_extra', 'k_ok') else 'DOUBLE')} AS {c}" for c in TOPK_STORED
-    ]
-    nonfinite = col(scols, "s", "nonfinite", "BOOLEAN")
-    sign = advantage_sql(con, enums.get("adv_sign", "VARCHAR")) if advantage else ""
-    cols += ["adv.adv_sign", "adv.step"] if advantage else []
-
-    def base(pairs: str, labels: str, adv: str, where: str) -> str:
-        """The SELECT over `pairs` (aliases t, s) joined to `labels` (alias runs: rollout, run_label) and
-        left-joined to `adv` (a join's right side and ON clause, alias adv), filtered by `where`."""
-        return f"""
-        SELECT runs.rollout, {cast('s.scorer', 'scorer')} AS scorer, runs.run_label AS run_id,
-               t.seq_id, t.token_id, t.category,
-               t.logp_rollout AS lmu, s.logp AS lpi,
-               {d.finite_sql('t.logp_rollout', 's.logp', nonfinite)} AS finite,
-               {', '.join(cols)}
-        FROM {pairs} {labels}
-        {f"LEFT JOIN {adv}" if advantage else ""}
-        WHERE {where}"""
-
-    # labels are cast where the fewest rows pass: on `runs` (one row a run), not on every token
-    runs = f"SELECT run_id, {cast('run_id', 'run_id')} AS run_label, {cast(d.ROLLOUT_LABEL_SQL, 'rollout')} AS rollout FROM runs"
+    p = _Pieces.make(con, topk, advantage, enums or {})
     slices = _aligned_slices(con, filters, aligned or [])
-    if not slices:
-        where, params = filters.where("runs.rollout::VARCHAR", "s.scorer", "t.run_id")
-        one = _one_run(con, filters, params)
-        only = f"WHERE {one}" if one else ""
-        pairs = f"({tok('tokens', only)}) t JOIN (SELECT * FROM scores {only}) s ON {_join_on('s', 't', one)}"
-        adv = f"(SELECT * FROM ({sign}) {only}) adv ON {_join_on('adv', 't', one, ('seq_id',))}"
-        return base(pairs, f"JOIN ({runs}) runs ON runs.run_id = t.run_id", adv, where), params
-    # a slice holds one run's rows: its labels come from that run's `runs` row, and only the scorer filter
-    # is left to the rows (a filter on one side of a positional join would shift the pairing). The small
-    # sides are computed once (MATERIALIZED), not once a slice.
+    return _by_position(p, filters, slices) if slices else _by_keys(con, p, filters)
+
+
+@dataclass(frozen=True)
+class _Pieces:
+    """What both joins of rollout_base select: `tok(source, where)` the tokens side (alias t, with the
+    anchor's top-K parts), `pair` the (name, expression) columns read from t and s, `runs` the labels of
+    each run (run_id, run_label, rollout), `sign` the advantage rows (advantage_sql; '' without)."""
+
+    tok: Callable[[str, str], str]
+    pair: list[tuple[str, str]]
+    runs: str
+    sign: str
+
+    @classmethod
+    def make(cls, con: duckdb.DuckDBPyConnection, topk: bool, advantage: bool, enums: dict[str, str]) -> _Pieces:
+        def cast(expr: str, name: str) -> str:
+            return f"({expr})::{enums[name]}" if name in enums else expr
+
+        tcols, scols = table_columns(con, "tokens"), table_columns(con, "scores")
+        category = cast(f"coalesce({col(tcols, 'tokens', 'category', 'VARCHAR')}, 'uncategorized')", "category")
+
+        def tok(source: str, where: str) -> str:
+            return f"""SELECT run_id, seq_id, pos, logp_rollout, token_id, category {', ' + _anchor() if topk else ''}
+                  FROM (SELECT run_id, seq_id, pos, logp_rollout,
+                               {col(tcols, 'tokens', 'token_id', 'INTEGER')} AS token_id,
+                               {category} AS category,
+                               {col(tcols, 'tokens', 'topk_ids_rollout', 'INTEGER[]')} AS k_ids,
+                               {col(tcols, 'tokens', 'topk_logps_rollout', 'DOUBLE[]')} AS k_a
+                        FROM {source} AS tokens {where})"""
+
+        nonfinite = col(scols, "s", "nonfinite", "BOOLEAN")
+        pair = [("scorer", cast("s.scorer", "scorer")), ("seq_id", "t.seq_id"), ("token_id", "t.token_id"),
+                ("category", "t.category"), ("lmu", "t.logp_rollout"), ("lpi", "s.logp"),
+                ("finite", d.finite_sql("t.logp_rollout", "s.logp", nonfinite)),
+                ("entropy", col(scols, "s", "entropy", "DOUBLE")), ("tv_exact", col(scols, "s", "tv_exact_vs_ref", "DOUBLE"))]  # fmt: skip
+        if topk:
+            pair += [(c, f"t.{c}") for c in ("k_extra", "k_mass_a")]
+            pair += list(d.topk_pair_sql(col(scols, "s", "logps_at_rollout_topk", "DOUBLE[]")).items())
+        else:
+            pair += [(c, typed_null("BOOLEAN" if c in ("k_extra", "k_ok") else "DOUBLE")) for c in TOPK_STORED]
+        # labels are cast where the fewest rows pass: on `runs` (one row a run), not on every token
+        runs = f"SELECT run_id, {cast('run_id', 'run_id')} AS run_label, {cast(d.ROLLOUT_LABEL_SQL, 'rollout')} AS rollout FROM runs"
+        sign = advantage_sql(con, enums.get("adv_sign", "VARCHAR")) if advantage else ""
+        return cls(tok, pair, runs, sign)
+
+    def select(self, alias: str | None = None) -> str:
+        """The SELECT list of a row: labels from `runs`, the pair columns (expressions over t and s, or
+        the columns of `alias` that holds them), the advantage columns from `adv`."""
+        pair = [f"{alias}.{n}" if alias else f"{e} AS {n}" for n, e in self.pair]
+        return ", ".join(["runs.rollout", pair[0], "runs.run_label AS run_id", *pair[1:],
+                          *(["adv.adv_sign", "adv.step"] if self.sign else [])])  # fmt: skip
+
+
+def _by_keys(con: duckdb.DuckDBPyConnection, p: _Pieces, filters: Filters) -> tuple[str, dict]:
+    """rollout_base by the key join: tokens and scores hash-joined on (run_id, seq_id, pos), or on
+    (seq_id, pos) where the rows are one run's (_one_run)."""
+    where, params = filters.where("runs.rollout::VARCHAR", "s.scorer", "t.run_id")
+    one = _one_run(con, filters, params)
+    only = f"WHERE {one}" if one else ""
+    adv = f"LEFT JOIN (SELECT * FROM ({p.sign}) {only}) adv ON {_join_on('adv', 't', one, ('seq_id',))}" if p.sign else ""
+    return f"""
+        SELECT {p.select()}
+        FROM ({p.tok('tokens', only)}) t JOIN (SELECT * FROM scores {only}) s ON {_join_on('s', 't', one)}
+        JOIN ({p.runs}) runs ON runs.run_id = t.run_id
+        {adv}
+        WHERE {where}""", params
+
+
+def _by_position(p: _Pieces, filters: Filters, slices: list[tuple[str, str, str]]) -> tuple[str, dict]:
+    """rollout_base by position: each slice's tokens and scores paired row by row (its run's index `_k` a
+    constant of its rows), every pair's (seq_id, pos) checked; then the labels and the advantage rows
+    joined once to all slices on that integer index (no run id string a row). The slices' run and rollout
+    filters were decided by _aligned_slices; only the scorer filter is left to the rows (a filter on one
+    side of a positional join would shift the pairing)."""
     where, params = filters.where(None, "s.scorer", None)
     check = f"CASE WHEN t.seq_id = s.seq_id AND t.pos = s.pos THEN true ELSE error('{MISALIGNED}') END"
-    parts = []
-    for k, (run, ts, ss) in enumerate(slices):
-        params[f"run_{k}"] = run
-        labels = f"CROSS JOIN (FROM _runs WHERE run_id = $run_{k}) runs"
-        adv = f"(FROM _adv WHERE run_id = $run_{k}) adv ON adv.seq_id = t.seq_id"
-        parts.append(base(f"({tok(ts, '')}) t POSITIONAL JOIN {ss} s", labels, adv, f"{where} AND {check}"))
-    small = f"_runs AS MATERIALIZED ({runs})" + (f", _adv AS MATERIALIZED ({sign})" if advantage else "")
-    return f"WITH {small} SELECT * FROM ({' UNION ALL '.join(parts)})", params
+    runs = list(dict.fromkeys(run for run, _, _ in slices))
+    params["slice_runs"] = runs
+    pair = ", ".join(f"{e} AS {n}" for n, e in p.pair)
+    parts = " UNION ALL ".join(f"""
+        SELECT {runs.index(run)} AS _k, {pair} FROM ({p.tok(ts, '')}) t POSITIONAL JOIN {ss} s
+        WHERE {where} AND {check}""" for run, ts, ss in slices)  # fmt: skip
+    ids = f"SELECT k::INTEGER AS _k, $slice_runs[k + 1] AS run_id FROM range({len(runs)}) r(k)"
+    adv = ""
+    with_adv = ""
+    if p.sign:
+        with_adv = f", _adv AS MATERIALIZED (SELECT _ids._k, a.seq_id, a.step, a.adv_sign FROM ({p.sign}) a JOIN _ids USING (run_id))"
+        adv = "LEFT JOIN _adv adv ON adv._k = x._k AND adv.seq_id = x.seq_id"
+    return f"""
+        WITH _ids AS MATERIALIZED ({ids}),
+             _runs AS MATERIALIZED (SELECT _ids._k, r.* FROM ({p.runs}) r JOIN _ids USING (run_id)){with_adv}
+        SELECT {p.select('x')}
+        FROM ({parts}) x JOIN _runs runs ON runs._k = x._k
+        {adv}""", params
 
 
 def _aligned_slices(

@@ -465,22 +465,37 @@ DuckDB estimates a positional join's rows as 0 and would otherwise build its has
 positional rows instead of the 10^4 sequences (about 0.6 s at 10^7 tokens)."""
 
 
+ADDED_SETTINGS = ("disabled_optimizers",)
+"""Settings holding a comma-separated list: _settings adds its values to the list instead of replacing it."""
+
+
 @contextmanager
 def _settings(con: duckdb.DuckDBPyConnection, **values: str):
-    """DuckDB settings `values` (name -> SQL literal) inside the block, restored after it; a setting this
-    DuckDB does not know is left alone (it only makes a query slower)."""
+    """DuckDB settings `values` (name -> value) inside the block, restored after it (those of ADDED_SETTINGS
+    extended, not replaced); a setting this DuckDB does not know is left alone (it only makes a query
+    slower). A failed restore does not hide the block's own error."""
     saved = {}
     for name, value in values.items():
         try:
             (saved[name],) = con.execute(f"SELECT current_setting('{name}')::VARCHAR").fetchone()
+            if name in ADDED_SETTINGS and saved[name]:
+                value = f"{saved[name]},{value}"
             con.execute(f"SET {name} = {_quote(value)}")
         except duckdb.Error:
             saved.pop(name, None)
+    failed = False
     try:
         yield
+    except BaseException:
+        failed = True
+        raise
     finally:
         for name, value in saved.items():
-            con.execute(f"SET {name} = {_quote(value)}")
+            try:
+                con.execute(f"SET {name} = {_quote(value)}")
+            except duckdb.Error:
+                if not failed:
+                    raise
 
 
 def _quote(value: str) -> str:

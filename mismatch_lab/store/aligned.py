@@ -3,15 +3,17 @@
 The Recorder and the importers write a unit's tokens and scores shards from the same flat arrays: one
 scores row per tokens row, in the same order. `declare` (at open_store) lists a shard store's units;
 `parts` (when an analysis asks) checks from the Parquet footers that every unit's two shards hold the same
-number of rows and only the run of their folder (the run_id statistics), then offers each run's units in
-slices, for each slice a pair of views reading the same units' files in the same order
-(`_ml_tokens_part_<k>`, `_ml_scores_part_<k>`, with every column and type of the full `tokens` / `scores`
-views). A POSITIONAL JOIN of a slice's two views pairs row i with row i: where every pair's (seq_id, pos)
-agree, that is the key join of the slice's rows (the run is the slice's; keys are unique per table and
-scorer, as the contract has them). Whoever reads the parts checks that on every row
-(`analysis.relations.rollout_base` raises MISALIGNED otherwise) and then joins on keys after all. The
-slices let DuckDB's threads join in parallel (one positional scan runs on one thread). On 10^7 tokens the
-positional join costs about half of DuckDB's hash join on 2 cores (docs/benchmarks.md).
+number of rows and only the run of their folder (the run_id statistics: min = max = the run, no NULL),
+then offers each run's units in slices, for each slice a pair of views reading the same units' files in
+the same order (`_ml_tokens_part_<k>`, `_ml_scores_part_<k>`, with every column and type of the full
+`tokens` / `scores` views). A POSITIONAL JOIN of a slice's two views pairs row i with row i: where every
+pair's (seq_id, pos) agree, that is the key join of the slice's rows (the run is the slice's; keys are
+unique per table and scorer, as the contract has them: duplicated keys would be multiplied by the key join
+and paired once here). Whoever reads the parts checks that on every row (`analysis.relations.rollout_base`
+raises MISALIGNED otherwise) and then joins on keys after all. The slices let DuckDB's threads join in
+parallel (one positional scan runs on one thread). On 10^7 tokens the positional join costs about half of
+DuckDB's hash join on 2 cores (docs/benchmarks.md); a store of small slices (MIN_SLICE_ROWS) is offered
+none, and one unit failing the footer check turns the slices off for the whole store.
 """
 
 from __future__ import annotations
@@ -25,11 +27,16 @@ import duckdb
 UNITS = "_ml_shard_units"
 """Table of (run_id, tokens, scores): each unit's two shard files, in the order the tables read them."""
 ALIGNED_PARTS = "_ml_aligned_parts"
-"""Table of (part, run_id, tokens, scores): the view names of each slice, made by the first `parts` call."""
+"""Table of (part, run_id, tokens, scores): the view names of each slice, made whole by the first `parts`
+call (empty where the store offers none)."""
 MISALIGNED = "mismatch-lab: the tokens and scores shards of a unit are not row-aligned"
 """The error a reader of the parts raises on a pair of rows whose keys differ (then it joins on keys)."""
 PARTS_PER_THREAD = 4
 """Slices per DuckDB thread: enough for the threads to share the work when units differ in size."""
+MIN_SLICE_ROWS = 1 << 18
+"""Fewer rows a slice on average and no slices are offered: each slice is a branch of the query (its plan,
+its scans) and a small store joins on keys in well under a second anyway (500 runs of 100 tokens took
+10 s by slices against 3.5 s on keys, docs/benchmarks.md)."""
 
 
 def declare(con: duckdb.DuckDBPyConnection, root: Path, files: dict[str, list[str]]) -> None:
@@ -40,14 +47,17 @@ def declare(con: duckdb.DuckDBPyConnection, root: Path, files: dict[str, list[st
     units = [Path(f).relative_to(root / "tokens") for f in toks]
     if not toks or units != [Path(f).relative_to(root / "scores") for f in scs]:
         return
+    # real paths: how parquet_metadata names the files it reads, a symlink followed by '..' included
+    rows = [[u.parts[0], os.path.realpath(t), os.path.realpath(s)] for u, t, s in zip(units, toks, scs, strict=True)]
     con.execute(f"CREATE TABLE {UNITS}(run_id VARCHAR, tokens VARCHAR, scores VARCHAR)")
-    rows = [[u.parts[0], os.path.abspath(t), os.path.abspath(s)] for u, t, s in zip(units, toks, scs, strict=True)]
-    con.executemany(f"INSERT INTO {UNITS} VALUES (?, ?, ?)", rows)  # absolute: as parquet_metadata names them
+    con.executemany(f"INSERT INTO {UNITS} VALUES (?, ?, ?)", rows)
 
 
 def parts(con: duckdb.DuckDBPyConnection) -> list[tuple[str, str, str]]:
-    """(run_id, tokens view, scores view) of each slice, in order; [] where the store lists no units or a
-    unit's shards fail the footer check (the module docstring). The views are made on the first call."""
+    """(run_id, tokens view, scores view) of each slice, in order; [] where the store lists no units, a
+    unit's shards fail the footer check (the module docstring) or the slices would be small
+    (MIN_SLICE_ROWS). Made on the first call and kept (ALIGNED_PARTS is written last, in one statement:
+    a call stopped half way leaves nothing that a later call would take for the whole)."""
     try:
         return _made(con)
     except duckdb.CatalogException:
@@ -56,22 +66,22 @@ def parts(con: duckdb.DuckDBPyConnection) -> list[tuple[str, str, str]]:
         units = con.execute(f"SELECT run_id, tokens, scores FROM {UNITS} ORDER BY rowid").fetchall()
     except duckdb.CatalogException:
         return []
-    if not _footers_agree(con):
-        return []
+    rows = _unit_rows(con)
     (threads,) = con.execute("SELECT current_setting('threads')").fetchone()
-    want = PARTS_PER_THREAD * max(1, int(threads))
-    full = {t: con.execute(f"DESCRIBE {t}").fetchall() for t in ("tokens", "scores")}
-    con.execute(f"CREATE TABLE {ALIGNED_PARTS}(part INTEGER, run_id VARCHAR, tokens VARCHAR, scores VARCHAR)")
-    k = 0
-    for run, group in itertools.groupby(units, key=lambda u: u[0]):
-        group = list(group)
-        n = min(len(group), max(1, round(want * len(group) / len(units))))
-        bounds = [round(i * len(group) / n) for i in range(n + 1)]
-        for a, b in itertools.pairwise(bounds):
+    slices = _plan(units, rows, PARTS_PER_THREAD * max(1, int(threads)))
+    made = []
+    if rows and sum(rows.values()) >= MIN_SLICE_ROWS * len(slices):
+        full = {t: con.execute(f"DESCRIBE {t}").fetchall() for t in ("tokens", "scores")}
+        for k, (run, chunk) in enumerate(slices):
             for i, table in ((1, "tokens"), (2, "scores")):
-                con.execute(f"CREATE VIEW _ml_{table}_part_{k} AS {_slice(con, [u[i] for u in group[a:b]], full[table])}")
-            con.execute(f"INSERT INTO {ALIGNED_PARTS} VALUES (?, ?, ?, ?)", [k, run, f"_ml_tokens_part_{k}", f"_ml_scores_part_{k}"])
-            k += 1
+                con.execute(f"CREATE OR REPLACE VIEW _ml_{table}_part_{k} AS {_slice(con, [u[i] for u in chunk], full[table])}")
+            made.append((k, run, f"_ml_tokens_part_{k}", f"_ml_scores_part_{k}"))
+    if made:  # one statement: the table exists whole or not at all
+        values = ", ".join(["(?::INTEGER, ?, ?, ?)"] * len(made))
+        con.execute(f"CREATE TABLE {ALIGNED_PARTS} AS SELECT * FROM (VALUES {values}) v(part, run_id, tokens, scores)",
+                    [x for m in made for x in m])  # fmt: skip
+    else:
+        con.execute(f"CREATE TABLE {ALIGNED_PARTS}(part INTEGER, run_id VARCHAR, tokens VARCHAR, scores VARCHAR)")
     return _made(con)
 
 
@@ -79,21 +89,51 @@ def _made(con: duckdb.DuckDBPyConnection) -> list[tuple[str, str, str]]:
     return [tuple(r) for r in con.execute(f"SELECT run_id, tokens, scores FROM {ALIGNED_PARTS} ORDER BY part").fetchall()]
 
 
-def _footers_agree(con: duckdb.DuckDBPyConnection) -> bool:
-    """Every unit's tokens and scores shards hold as many rows as each other, and each shard's run_id
-    column holds only its unit's run (min = max = the folder's run in every row group's statistics; a
-    shard without statistics fails). Reads the Parquet footers only."""
+def _unit_rows(con: duckdb.DuckDBPyConnection) -> dict[str, int]:
+    """tokens file -> its rows, for every unit of UNITS, where each unit's tokens and scores shards hold
+    as many rows as each other and each shard's run_id column holds its unit's run and no NULL (every row
+    group's statistics: min = max = the folder's run, null count 0; a shard without them fails, but for
+    row groups of no rows); {} where a unit fails. A file without row groups holds no rows. Reads the
+    Parquet footers only."""
     files = [f for (f,) in con.execute(f"SELECT tokens FROM {UNITS} UNION ALL SELECT scores FROM {UNITS}").fetchall()]
     footers = """
-        SELECT file_name, sum(row_group_num_rows) AS n,
-               bool_and(coalesce(stats_min_value = stats_max_value, false)) AS one, min(stats_min_value) AS run
-        FROM parquet_metadata(?) WHERE path_in_schema = 'run_id' GROUP BY file_name"""
-    (bad,) = con.execute(f"""
+        SELECT file_name, sum(row_group_num_rows) FILTER (WHERE column_id = 0) AS n,
+               count(*) FILTER (WHERE path_in_schema = 'run_id' AND (row_group_num_rows = 0 OR
+                                  stats_null_count = 0 AND stats_min_value = stats_max_value)) AS ok,
+               min(stats_min_value) FILTER (WHERE path_in_schema = 'run_id' AND row_group_num_rows > 0) AS run,
+               count(*) FILTER (WHERE column_id = 0) AS groups
+        FROM parquet_metadata(?) GROUP BY file_name"""
+    got = con.execute(f"""
         WITH f AS ({footers})
-        SELECT count(*) FROM {UNITS} u LEFT JOIN f t ON t.file_name = u.tokens LEFT JOIN f s ON s.file_name = u.scores
-        WHERE t.n IS NULL OR s.n IS NULL OR t.n <> s.n OR NOT (t.one AND s.one AND t.run = u.run_id AND s.run = u.run_id)""",
-        [files]).fetchone()  # fmt: skip
-    return bad == 0
+        SELECT u.tokens, coalesce(t.n, 0), coalesce(t.n, 0) = coalesce(s.n, 0)
+               AND coalesce(t.ok = t.groups AND (t.n = 0 OR t.run = u.run_id), t.n IS NULL)
+               AND coalesce(s.ok = s.groups AND (s.n = 0 OR s.run = u.run_id), s.n IS NULL)
+        FROM {UNITS} u LEFT JOIN f t ON t.file_name = u.tokens LEFT JOIN f s ON s.file_name = u.scores""",
+        [files]).fetchall()  # fmt: skip
+    return {f: int(n) for f, n, _ in got} if all(ok for _, _, ok in got) else {}
+
+
+def _plan(units: list[tuple[str, str, str]], rows: dict[str, int], want: int) -> list[tuple[str, list]]:
+    """(run, its units) of each slice: each run's units (UNITS rows, in order) cut into its share of `want`
+    slices by rows (at least one a run)."""
+    total, out = max(sum(rows.values()), 1), []
+    for run, grouped in itertools.groupby(units, key=lambda u: u[0]):
+        group = list(grouped)
+        n = [rows.get(u[1], 0) for u in group]
+        out += [(run, chunk) for chunk in _chunks(group, n, want * sum(n) / total)]
+    return out
+
+
+def _chunks(units: list, rows: list[int], n: float) -> list[list]:
+    """`units` cut into about `n` (at least 1, at most one a unit) contiguous chunks of similar row counts."""
+    n = min(len(units), max(1, round(n)))
+    cum, total, out, start = 0, sum(rows), [], 0
+    for i, r in enumerate(rows):
+        cum += r
+        if len(out) < n - 1 and cum * n >= total * (len(out) + 1) and i + 1 < len(units):
+            out.append(units[start : i + 1])
+            start = i + 1
+    return [*out, units[start:]]
 
 
 def _slice(con: duckdb.DuckDBPyConnection, paths: list[str], full: list[tuple]) -> str:
@@ -102,12 +142,13 @@ def _slice(con: duckdb.DuckDBPyConnection, paths: list[str], full: list[tuple]) 
     from mismatch_lab.store.reader import read_files
 
     reader = read_files(paths)
-    have = {r[0]: r[1] for r in con.execute(f"DESCRIBE SELECT * FROM {reader}").fetchall()}
+    # names match as DuckDB matches them (union_by_name, identifiers): whatever their case
+    have = {r[0].lower(): r[1] for r in con.execute(f"DESCRIBE SELECT * FROM {reader}").fetchall()}
     cols = []
     for name, typ, *_ in full:
         ident = '"' + name.replace('"', '""') + '"'
-        if have.get(name) == typ:
+        if have.get(name.lower()) == typ:
             cols.append(ident)
         else:
-            cols.append(f"CAST({ident if name in have else 'NULL'} AS {typ}) AS {ident}")
+            cols.append(f"CAST({ident if name.lower() in have else 'NULL'} AS {typ}) AS {ident}")
     return f"SELECT {', '.join(cols)} FROM {reader}"

@@ -1,7 +1,8 @@
 """A recorded store's tokens and scores paired by position (store.aligned, relations.rollout_base with
 `aligned`) against the key join: the same passes value for value, with and without filters, on shards of
 different column sets; a shard whose rows are out of order falls back to the key join; footers that
-disagree offer no slices."""
+disagree offer no slices. The stores here are small: MIN_SLICE_ROWS is set to 0 so that they get slices
+(one test checks that the default offers small stores none)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -43,6 +45,11 @@ def _record(path: Path) -> None:
                          rewards=rewards, **topk)  # fmt: skip
     for rec in recs:
         rec.close()
+
+
+@pytest.fixture(autouse=True)
+def small_slices(monkeypatch):
+    monkeypatch.setattr(aligned, "MIN_SLICE_ROWS", 0)
 
 
 @pytest.fixture
@@ -149,7 +156,7 @@ def test_footers_that_disagree_offer_no_slices(store, tmp_path):
 
     other = tmp_path / "other"
     _record(other)
-    shard = sorted((other / "tokens" / "a").glob("step-*/*.parquet"))[0]
+    shard = min((other / "tokens" / "a").glob("step-*/*.parquet"))
     table = pq.read_table(shard)
     run = table.schema.get_field_index("run_id")
     pq.write_table(table.set_column(run, "run_id", pq.read_table(_scores_shard(other, "b")).column("run_id")
@@ -168,3 +175,81 @@ def test_a_store_of_several_scorers_is_joined_on_keys(tmp_path, monkeypatch):
     assert aligned.parts(open_store(path))  # offered by the store ...
     calls = _compare(path, Filters(), monkeypatch)
     assert calls[0] is False  # ... but not taken: a scorer filter could hide a misaligned pair
+
+
+def test_small_stores_are_offered_no_slices(store, monkeypatch):
+    monkeypatch.setattr(aligned, "MIN_SLICE_ROWS", aligned.MIN_SLICE_ROWS.__class__(1 << 18))
+    assert aligned.parts(open_store(store)) == []
+
+
+def _rewrite(shard: Path, edit) -> None:
+    pq.write_table(edit(pq.read_table(shard)), shard)
+
+
+def test_null_run_ids_offer_no_slices(store):
+    """Parquet's min and max skip NULLs: the null count must be 0 too (the key join drops such rows)."""
+    shard = min((store / "tokens" / "a").glob("step-*/*.parquet"))
+    _rewrite(shard, lambda t: t.set_column(0, "run_id", pa.array([None] + ["a"] * (t.num_rows - 1)).dictionary_encode()))
+    assert aligned.parts(open_store(store)) == []
+
+
+def test_an_empty_unit_keeps_the_slices(tmp_path, monkeypatch):
+    path = tmp_path / "empty"
+    rec = Recorder(path, "a", framework="trl", rollout_engine="vllm", trainer_dtype="fp32")
+    rng = np.random.default_rng(2)
+    lmu = -rng.exponential(1.0, (B, T))
+    rec.log_step(0, rng.integers(0, 100, (B, T)), np.ones((B, T), bool), lmu, lmu + 0.1)
+    rec.log_step(1, rng.integers(0, 100, (B, T)), np.zeros((B, T), bool), lmu, lmu + 0.1)  # no response token
+    rec.log_step(2, rng.integers(0, 100, (B, T)), np.ones((B, T), bool), lmu, lmu - 0.1)
+    rec.close()
+    assert aligned.parts(open_store(path))
+    assert _compare(path, Filters(), monkeypatch)[0] is True
+
+
+def test_column_names_match_whatever_their_case(store, monkeypatch):
+    """DuckDB reads `LOGP` of one shard as the column logp (union_by_name): so does its slice."""
+    for shard in (store / "scores" / "b").glob("step-*/*.parquet"):  # every shard of b's slices
+        _rewrite(shard, lambda t: t.rename_columns([("LOGP" if c == "logp" else c) for c in t.column_names]))
+    calls = _compare(store, Filters(), monkeypatch)
+    assert calls[0] is True
+
+
+def test_a_store_reached_through_a_symlink_and_dotdot(store, tmp_path, monkeypatch):
+    (tmp_path / "deep" / "er").mkdir(parents=True)
+    (tmp_path / "deep" / "er" / "link").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    (tmp_path / "elsewhere").mkdir()
+    store.rename(tmp_path / "rec-moved")
+    (tmp_path / "rec").symlink_to(tmp_path / "rec-moved")  # the fixture's path still leads to it
+    # link/.. is elsewhere/.. = tmp_path for the OS; deep/er as text
+    via = tmp_path / "deep" / "er" / "link" / ".." / "rec"
+    assert aligned.parts(open_store(via))
+    assert _compare(via, Filters(), monkeypatch)[0] is True
+
+
+def test_slices_cut_short_are_not_kept(store, monkeypatch):
+    con = open_store(store)
+    real, made = aligned._slice, []
+
+    def fail_second(*args):
+        made.append(1)
+        if len(made) == 3:
+            raise KeyboardInterrupt
+        return real(*args)
+
+    monkeypatch.setattr(aligned, "_slice", fail_second)
+    with pytest.raises(KeyboardInterrupt):
+        aligned.parts(con)
+    monkeypatch.setattr(aligned, "_slice", real)
+    again = aligned.parts(con)  # made whole now, not the first slice alone
+    assert len(again) == len(aligned.parts(open_store(store))) >= 2
+
+
+def test_the_write_settings_are_added_and_restored(store):
+    con = open_store(store)
+    con.execute("SET disabled_optimizers = 'compressed_materialization'")
+    with pytest.raises(RuntimeError), rows_module._settings(con, **rows_module.WRITE_SETTINGS):
+        (now,) = con.execute("SELECT current_setting('disabled_optimizers')").fetchone()
+        assert "compressed_materialization" in now and "build_side_probe_side" in now
+        raise RuntimeError
+    assert con.execute("SELECT current_setting('disabled_optimizers')").fetchone()[0] == "compressed_materialization"
+    assert con.execute("SELECT current_setting('preserve_insertion_order')").fetchone()[0] is True
