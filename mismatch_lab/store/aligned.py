@@ -48,9 +48,9 @@ def declare(con: duckdb.DuckDBPyConnection, root: Path, files: dict[str, list[st
     if not toks or units != [Path(f).relative_to(root / "scores") for f in scs]:
         return
     # real paths: how parquet_metadata names the files it reads, a symlink followed by '..' included
-    rows = [[u.parts[0], os.path.realpath(t), os.path.realpath(s)] for u, t, s in zip(units, toks, scs, strict=True)]
-    con.execute(f"CREATE TABLE {UNITS}(run_id VARCHAR, tokens VARCHAR, scores VARCHAR)")
-    con.executemany(f"INSERT INTO {UNITS} VALUES (?, ?, ?)", rows)
+    columns = [[u.parts[0] for u in units], [os.path.realpath(t) for t in toks], [os.path.realpath(s) for s in scs]]
+    con.execute(f"CREATE TABLE {UNITS} AS SELECT unnest(?::VARCHAR[]) AS run_id, unnest(?::VARCHAR[]) AS tokens, "
+                "unnest(?::VARCHAR[]) AS scores", columns)
 
 
 def parts(con: duckdb.DuckDBPyConnection) -> list[tuple[str, str, str]]:
