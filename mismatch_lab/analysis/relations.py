@@ -1,7 +1,9 @@
 """The row sets every analysis starts from, as SQL over the store.
 
 * rollout pairs: one row per (token, scorer): the rollout's log mu (`lmu`) next to a scorer's log pi
-  (`lpi`), joined on (run_id, seq_id, pos); labelled (rollout '<engine>:<dtype>' of the run, scorer).
+  (`lpi`), joined on (run_id, seq_id, pos), or paired by position within a shard store's row-aligned
+  slices (store.aligned: the same rows, checked row by row); labelled (rollout '<engine>:<dtype>' of the
+  run, scorer).
 * scorer pairs: one row per (token, scorer != reference): the reference scorer's log-prob as `lmu`.
   Used for the scorer-vs-scorer noise floor and for the approximation quality.
 

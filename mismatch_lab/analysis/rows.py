@@ -9,7 +9,8 @@ counts that rank the token strings (read from the clipped rows alone; every sum 
 reach the top then reads their rows).
 
 `Rows(con, filters)` reads the store live (a standalone analysis call). `Rows(..., materialize=True)`
-(what `run_all` uses) first joins tokens and scores once into a temporary table, label columns as
+(what `run_all` uses) first joins tokens and scores once into a temporary table (by position where a
+shard store offers row-aligned slices, store.aligned; on keys otherwise), label columns as
 1-byte ENUMs and the default mu buckets as 1-byte columns, and every rollout-side pass reads that: the
 join of 10^7 tokens is the expensive part. Optional columns the store lacks are constants, neither stored
 nor aggregated; labels with one value in the whole store (a recorded run's run id, rollout and scorer)
