@@ -226,21 +226,20 @@ def _by_position(p: _Pieces, filters: Filters, slices: list[tuple[str, str, str]
     side of a positional join would shift the pairing)."""
     where, params = filters.where(None, "s.scorer", None)
     check = f"CASE WHEN t.seq_id = s.seq_id AND t.pos = s.pos THEN true ELSE error('{MISALIGNED}') END"
-    runs = list(dict.fromkeys(run for run, _, _ in slices))
-    params["slice_runs"] = runs
+    run_ids = list(dict.fromkeys(run for run, _, _ in slices))
+    params["slice_runs"] = run_ids
     pair = ", ".join(f"{e} AS {n}" for n, e in p.pair)
     parts = " UNION ALL ".join(f"""
-        SELECT {runs.index(run)} AS _k, {pair} FROM ({p.tok(ts, '')}) t POSITIONAL JOIN {ss} s
+        SELECT {run_ids.index(run)} AS _k, {pair} FROM ({p.tok(ts, '')}) t POSITIONAL JOIN {ss} s
         WHERE {where} AND {check}""" for run, ts, ss in slices)  # fmt: skip
-    ids = f"SELECT k::INTEGER AS _k, $slice_runs[k + 1] AS run_id FROM range({len(runs)}) r(k)"
+    small = [f"_ids AS MATERIALIZED (SELECT k::INTEGER AS _k, $slice_runs[k + 1] AS run_id FROM range({len(run_ids)}) r(k))",
+             f"_runs AS MATERIALIZED (SELECT _ids._k, r.* FROM ({p.runs}) r JOIN _ids USING (run_id))"]  # fmt: skip
     adv = ""
-    with_adv = ""
     if p.sign:
-        with_adv = f", _adv AS MATERIALIZED (SELECT _ids._k, a.seq_id, a.step, a.adv_sign FROM ({p.sign}) a JOIN _ids USING (run_id))"
+        small.append(f"_adv AS MATERIALIZED (SELECT _ids._k, a.seq_id, a.step, a.adv_sign FROM ({p.sign}) a JOIN _ids USING (run_id))")
         adv = "LEFT JOIN _adv adv ON adv._k = x._k AND adv.seq_id = x.seq_id"
     return f"""
-        WITH _ids AS MATERIALIZED ({ids}),
-             _runs AS MATERIALIZED (SELECT _ids._k, r.* FROM ({p.runs}) r JOIN _ids USING (run_id)){with_adv}
+        WITH {', '.join(small)}
         SELECT {p.select('x')}
         FROM ({parts}) x JOIN _runs runs ON runs._k = x._k
         {adv}""", params

@@ -11,9 +11,10 @@ pair's (seq_id, pos) agree, that is the key join of the slice's rows (the run is
 unique per table and scorer, as the contract has them: duplicated keys would be multiplied by the key join
 and paired once here). Whoever reads the parts checks that on every row (`analysis.relations.rollout_base`
 raises MISALIGNED otherwise) and then joins on keys after all. The slices let DuckDB's threads join in
-parallel (one positional scan runs on one thread). On 10^7 tokens the positional join alone costs about a third
-of DuckDB's hash join on 2 cores (0.5 s against 1.4-1.6 s; docs/benchmarks.md); a store of small slices (MIN_SLICE_ROWS) is offered
-none, and one unit failing the footer check turns the slices off for the whole store.
+parallel (one positional scan runs on one thread). On 10^7 tokens the positional join alone costs about a
+third of DuckDB's hash join on 2 cores (0.5 s against 1.4-1.6 s; docs/benchmarks.md). A store of small
+slices (MIN_SLICE_ROWS) is offered none, and one unit failing the footer check turns the slices off for
+the whole store.
 """
 
 from __future__ import annotations
