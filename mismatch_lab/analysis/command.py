@@ -1,9 +1,13 @@
-"""`mismatch-lab analyze`: print every analysis of a store and write them as one JSON document.
+"""`mismatch-lab analyze`: a one-screen summary of a store's analyses, any table in full, and every table
+as one JSON document.
 
     mismatch-lab analyze --db studies/default/default.duckdb --json analysis.json
     mismatch-lab analyze --db studies/precision-sweep --rollout vllm:bf16 --scorer hf:fp32
+    mismatch-lab analyze --db studies/precision-sweep --table volatility --table clipping    # tables in full
+    mismatch-lab analyze --db studies/precision-sweep --all                                    # every table
 
---db takes anything `open_store` reads (a .duckdb file, even while a collect writes it; a directory of
+By default it prints the summary (analysis/summary.py): what the store holds, per (rollout, scorer) pair
+the key numbers with their units, the scorers' noise floor, and the names `--table` takes. --db takes anything `open_store` reads (a .duckdb file, even while a collect writes it; a directory of
 <table>.parquet files; a study directory). The JSON holds one key per analysis (volatility, clipping,
 precision, violations, approximation, steps), each a list of row objects; NaN and +-inf become null. Every
 key is defined in docs/analysis.md.
@@ -16,16 +20,18 @@ import json
 import math
 import sys
 import time
+from typing import TYPE_CHECKING
 
-import numpy as np
-import pandas as pd
-
+from mismatch_lab.analysis import ANALYSES
 from mismatch_lab.cli import json_output
 from mismatch_lab.errors import UserError
 from mismatch_lab.store.reader import STORE_HELP
 
 # The column that splits each analysis into its sub-tables for printing (see run_all).
 SPLIT = {"volatility": "scale", "clipping": "view", "precision": "comparison", "violations": "source"}
+
+if TYPE_CHECKING:  # pandas is imported where a table is printed: `analyze --help` needs none of it
+    import pandas as pd
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,10 +46,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run-id", action="append", dest="run_ids", metavar="RUN_ID",
                         help="only this run (repeatable; default: all)")
     parser.add_argument("--top-n", type=int, default=30, help="how many most-clipped token strings to list (default 30)")
+    shown = parser.add_mutually_exclusive_group()
+    shown.add_argument("--table", action="append", choices=ANALYSES, metavar="NAME",
+                       help=f"print this table in full instead of the summary (repeatable): {', '.join(ANALYSES)}")
+    shown.add_argument("--all", action="store_true", help="print every table in full instead of the summary")
 
 
 def run(args: argparse.Namespace) -> int:
     from mismatch_lab.analysis import run_all
+    from mismatch_lab.analysis.summary import analyze_summary, store_counts
     from mismatch_lab.store.reader import open_store
 
     if args.top_n < 1:
@@ -58,18 +69,29 @@ def run(args: argparse.Namespace) -> int:
 
         tables = run_all(con, rollout=args.rollout, scorer=args.scorer, run_ids=args.run_ids,
                          top_n=args.top_n, progress=progress, flags=True)  # fmt: skip
+        counts = None if args.all or args.table else store_counts(con)
     finally:
         con.close()
-    for name, df in tables.items():
-        print_table(name, df)
+    if counts is not None:
+        print("\n".join(analyze_summary(args.db, counts, tables, _filters(args))))
+    for name in ANALYSES if args.all else args.table or ():
+        print_table(name, tables[name])
     if json_path is not None:
         json_path.write_text(json.dumps(to_json(tables), indent=1, allow_nan=False) + "\n")
-        print(f"\nwrote {json_path} ({', '.join(f'{k}: {len(v)} rows' for k, v in tables.items())})")
+        print(f"\nwrote {json_path} ({sum(map(len, tables.values())):,} rows of {len(tables)} tables)")
     print(f"analyze: {time.perf_counter() - t0:.1f} s; definitions and denominators: docs/analysis.md", file=sys.stderr)
     return 0
 
 
+def _filters(args: argparse.Namespace) -> list[str]:
+    """The filter options given, as the command line spelled them."""
+    given = {"--rollout": args.rollout, "--scorer": args.scorer, "--run-id": args.run_ids}
+    return [f"{flag} {v}" for flag, values in given.items() for v in values or ()]
+
+
 def print_table(name: str, df: pd.DataFrame) -> None:
+    import pandas as pd
+
     split = SPLIT.get(name)
     parts = [(None, df)] if split is None or df.empty else list(df.groupby(split, sort=False))
     for key, part in parts:
@@ -89,6 +111,9 @@ def to_json(tables: dict[str, pd.DataFrame]) -> dict[str, list[dict]]:
 
 
 def _plain(v):
+    import numpy as np
+    import pandas as pd
+
     if v is None or v is pd.NA or v is pd.NaT:
         return None
     if isinstance(v, (np.integer,)):

@@ -58,7 +58,7 @@ def test_run_all_on_a_store_without_optional_data_never_raises(plain_con):
 
 def test_analyze_prints_tables_and_writes_json_with_nulls_for_nan(full_store, tmp_path, capsys):
     target = tmp_path / "out.json"
-    assert main(["analyze", "--db", str(full_store.path), "--json", str(target)]) == 0
+    assert main(["analyze", "--db", str(full_store.path), "--json", str(target), "--all"]) == 0
     printed = capsys.readouterr().out
     assert "== precision [comparison = rollout_vs_scorer]" in printed and "kl_k3" in printed
     doc = json.loads(target.read_text())
