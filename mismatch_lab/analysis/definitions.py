@@ -15,6 +15,8 @@ Divergences, all with the rollout mu as the *first* argument (the anchor, as DPP
     top-K KL   = sum_{v in S} mu(v) log(mu(v)/pi(v)) + mu(other) log(mu(other)/pi(other))
                  S = the anchor's recorded top-K ids plus the sampled token; 'other' = the rest of the mass
                  (1 - sum over S), clamped at 0 against rounding. K is whatever the store recorded.
+                 Two leftovers both below |S| * eps_fp32 count as equal (their term is 0 in TV and KL:
+                 rounding, not mass; corrections/leftover.py).
 KL estimators of KL(mu || pi) from the sampled token (tokens are drawn from mu), Schulman's k1/k2/k3:
     k1 = log mu - log pi = -dlogp            (unbiased, can be negative)
     k2 = 1/2 (log r)^2                       (biased, always >= 0)
@@ -31,6 +33,7 @@ from __future__ import annotations
 import math
 
 from mismatch_lab.corrections import defaults as _published
+from mismatch_lab.corrections.leftover import leftover_floor_sql
 
 # the rollout label and the reference scorer are part of the data contract (store.schema); re-exported
 from mismatch_lab.store.schema import MAX_LOG_RATIO, REFERENCE_SCORER, rollout_label_sql  # noqa: F401 - re-exported
@@ -176,12 +179,14 @@ def topk_pair_sql(b_lps: str, kl: bool = True) -> dict[str, str]:
         "k_kl": f"CASE WHEN {ok} THEN k_ea_la - list_sum(list_transform(k_ea, lambda x, i: x * {b_lps}[i])) END"
         if kl
         else "CAST(NULL AS DOUBLE)",
+        "k_n": f"CASE WHEN {ok} THEN k_len END",  # K, for the leftover floor of part 3
     }
 
 
 def topk_sql(a_lp: str, b_lp: str) -> str:
     """Top-K, part 3: a STRUCT(tv, kl) of top-K TV and top-K KL(a || b) on S = the anchor's top-K ids +
-    the sampled token, with one 'other' bucket for the rest of the mass (clamped at 0 against rounding);
+    the sampled token, with one 'other' bucket for the rest of the mass (clamped at 0 against rounding;
+    both sides' below corrections.leftover's floor count as equal);
     a_lp / b_lp are the sampled token's log-probs. NULL where k_ok is false (lists missing, unequal, or
     holding NULLs). Each part-2 column is read once and bound to `v` by a one-element list_transform:
     written out, the masses would appear four times and DuckDB would evaluate their lambdas each time."""
@@ -189,11 +194,15 @@ def topk_sql(a_lp: str, b_lp: str) -> str:
     bound = (
         f"{{'oa': greatest(1.0 - (k_mass_a + {extra.format(f'exp({a_lp})')}), 0.0), "
         f"'ob': greatest(1.0 - (k_mass_b + {extra.format(f'exp({b_lp})')}), 0.0), "
+        f"'floor': {leftover_floor_sql(f'k_n + {extra.format(1)}')}, "
         f"'s_abs': k_abs + {extra.format(f'abs(exp({b_lp}) - exp({a_lp}))')}, "
         f"'s_kl': k_kl + {extra.format(f'exp({a_lp}) * ({a_lp} - {b_lp})')}}}"
     )
-    other_kl = "CASE WHEN v.oa <= 0 THEN 0.0 WHEN v.ob <= 0 THEN 'inf'::DOUBLE ELSE v.oa * ln(v.oa / v.ob) END"
-    out = f"{{'tv': 0.5 * (v.s_abs + abs(v.oa - v.ob)), 'kl': v.s_kl + {other_kl}}}"
+    # leftovers both below the floor are rounding, not mass: equal, the bucket adds 0 (corrections/leftover.py)
+    same = "(v.oa < v.floor AND v.ob < v.floor)"
+    other_kl = (f"CASE WHEN v.oa <= 0 OR {same} THEN 0.0 WHEN v.ob <= 0 THEN 'inf'::DOUBLE "
+                "ELSE v.oa * ln(v.oa / v.ob) END")
+    out = f"{{'tv': 0.5 * (v.s_abs + CASE WHEN {same} THEN 0.0 ELSE abs(v.oa - v.ob) END), 'kl': v.s_kl + {other_kl}}}"
     return f"CASE WHEN k_ok THEN list_transform([{bound}], lambda v: {out})[1] END"
 
 

@@ -123,7 +123,7 @@ def _anchor(kl: bool = True) -> str:
     return ", ".join(f"{expr} AS {name}" for name, expr in parts.items())
 
 
-PAIR_TOPK = list(d.topk_pair_sql("x"))  # k_ok, k_mass_b, k_abs, k_kl
+PAIR_TOPK = list(d.topk_pair_sql("x"))  # k_ok, k_mass_b, k_abs, k_kl, k_n
 TOPK_STORED = ["k_extra", "k_mass_a", *PAIR_TOPK]  # what part 3 (definitions.topk_sql) reads
 
 

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from mismatch_lab.corrections.leftover import leftover_floor
+
 
 @dataclass
 class TopK:
@@ -17,7 +19,8 @@ class TopK:
 
     The K slots of token (b, t) are the rollout engine's top-K ids at that step with the sampled token
     included (K or K+1 ids; pad to a common width and mark padding with `valid`). Every token outside the
-    slots falls into one 'other' bucket: p(other) = 1 − Σ_k p_k, for the anchor and for π alike.
+    slots falls into one 'other' bucket: p(other) = 1 − Σ_k p_k, for the anchor and for π alike (two
+    leftovers both below leftover.leftover_floor count as equal: rounding, not mass).
 
         anchor_logps  [B, T, K]  log-probs of the anchor policy at those ids: μ from the rollout engine when
                                  cfg.anchor == 'rollout', π_old recomputed by the trainer when 'old'
@@ -71,20 +74,27 @@ def binary_kl(logp: torch.Tensor, logp_anchor: torch.Tensor) -> torch.Tensor:
 
 def _topk_parts(topk: TopK):
     """(la, lq, p, q, p_other, q_other): slot log-probs and probabilities (0 on padding) of anchor and π,
-    and the 'other' bucket's probability for each."""
+    and the 'other' bucket's probability for each: 1 − Σ_k p_k clamped at 0 (rounding in the engines can
+    push the sum a hair above 1), and 0 on both sides where both lie below leftover.leftover_floor of the
+    slot count (rounding, not mass: treated as equal, so the bucket adds nothing to TV or KL)."""
     dt = torch.promote_types(topk.logps.dtype, torch.float32)
     la = topk.anchor_logps.detach().to(dt)
     lq = topk.logps.detach().to(dt)
     p, q = la.exp(), lq.exp()
+    n_slots = la.shape[-1]
     if topk.valid is not None:
         zero = torch.zeros((), dtype=dt, device=p.device)
         p, q = torch.where(topk.valid, p, zero), torch.where(topk.valid, q, zero)
-    # clamp: rounding in the engines can push Σ_k p_k a hair above 1
-    return la, lq, p, q, (1 - p.sum(-1)).clamp(min=0), (1 - q.sum(-1)).clamp(min=0)
+        n_slots = topk.valid.sum(-1)
+    po, qo = (1 - p.sum(-1)).clamp(min=0), (1 - q.sum(-1)).clamp(min=0)
+    floor = leftover_floor(n_slots)
+    equal = (po < floor) & (qo < floor)
+    return la, lq, p, q, po.masked_fill(equal, 0), qo.masked_fill(equal, 0)
 
 
 def topk_tv(topk: TopK) -> torch.Tensor:
-    """½ Σ_{a ∈ top-K ∪ {other}} |p_anchor(a) − p_π(a)| (DPPO Eq. 15); -> [B, T]."""
+    """½ Σ_{a ∈ top-K ∪ {other}} |p_anchor(a) − p_π(a)| (DPPO Eq. 15); -> [B, T]. Leftovers both below the
+    floor (leftover.py) count as equal."""
     _, _, p, q, po, qo = _topk_parts(topk)
     return 0.5 * ((q - p).abs().sum(-1) + (qo - po).abs())
 
@@ -92,7 +102,9 @@ def topk_tv(topk: TopK) -> torch.Tensor:
 def topk_kl(topk: TopK) -> torch.Tensor:
     """Σ_{a ∈ top-K ∪ {other}} p_anchor(a) log(p_anchor(a) / p_π(a)) (DPPO Eq. 16), nats; -> [B, T].
 
-    Slots use the given log-probs directly (no exp/log round trip); 0 · log 0 = 0 for empty slots/buckets."""
+    Slots use the given log-probs directly (no exp/log round trip); 0 · log 0 = 0 for empty slots/buckets.
+    Leftovers both below the floor (leftover.py) count as equal: the 'other' term is 0 there, not
+    a · log(a / 0) = +∞ for a rollout leftover of 1e-9 against a trainer's clamped to 0."""
     la, lq, p, _, po, qo = _topk_parts(topk)
     zero = torch.zeros((), dtype=p.dtype, device=p.device)
     slots = torch.where(p > 0, p * (la - lq), zero).sum(-1)

@@ -117,7 +117,7 @@ def test_a_subscripted_missing_list_column_is_a_null_not_a_parser_error():
     pair = d.topk_pair_sql(missing)
     sql = ", ".join(f"{e} AS {n}" for n, e in pair.items())
     row = con.execute(f"SELECT {sql} FROM (SELECT 3 AS k_len, [0.1, 0.2, 0.3] AS k_ea, 0.0 AS k_ea_la)").fetchone()
-    assert row == (False, None, None, None)
+    assert row == (False, None, None, None, None)  # k_ok, k_mass_b, k_abs, k_kl, k_n
 
 
 def test_the_rollout_label_is_the_engine_alone_when_the_dtype_is_unknown():
