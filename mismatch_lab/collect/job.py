@@ -148,7 +148,9 @@ def device_capacity(device: str) -> tuple[int, int]:
 def collect(cfg: CollectConfig, *, progress: bool = True, verbose: bool = False) -> list[str]:
     """Run the collection described by `cfg`; returns the run ids (one per rollout dtype)."""
     from mismatch_lab.collect.quiet import quiet_libraries
+    from mismatch_lab.store.writer import check_ours
 
+    check_ours(cfg.db)  # another program's file is refused before any library, model or engine is loaded
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # vLLM's environment is set by _import_vllm
     quiet_libraries(verbose)
     job = prepare(cfg, verbose=verbose)

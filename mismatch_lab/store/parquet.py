@@ -5,9 +5,12 @@
 The source is read through `reader.open_store`, so exporting while a collect still writes the file reads a
 consistent snapshot of what was committed (the collect never waits), and a Parquet directory or a study
 directory can be re-exported too. Rows are written ordered by (run_id, seq_id, pos) where a table has those
-columns: neighbouring rows then share run ids and positions, which zstd compresses far better. Each file
-is written to a temporary name in `out` and renamed when complete, so an interrupted export never leaves a
-half-written `<table>.parquet` that a reader would take for the store. `open_store(out)` reads the result.
+columns: neighbouring rows then share run ids and positions, which zstd compresses far better. Every file
+is written to a temporary name in `out` first and all are renamed only once every table is written, so an
+export that stops (Ctrl-C, a full disk, a folder it may not write) leaves no half-written `<table>.parquet`
+and no mix of new and old tables: `out` holds the previous export, or nothing, and no temporary file.
+`open_store(out)` reads the result. An `out` holding Parquet files that are not an export of ours (no
+`meta.parquet` recording the schema_version) is refused before anything is written.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from pathlib import Path
 from mismatch_lab.errors import UserError
 from mismatch_lab.store import shards
 from mismatch_lab.store.reader import STORE_HELP, open_store
-from mismatch_lab.store.schema import TABLES
+from mismatch_lab.store.schema import SCHEMA_VERSION, TABLES
 
 ORDER_COLUMNS = ("run_id", "seq_id", "pos", "scorer", "step", "name", "chunk", "key")
 """Sort keys, in this order, used where the table has them (scorer after pos: the rows of one token sit
@@ -40,7 +43,7 @@ def export(db_path: str | Path, out_dir: str | Path, *, progress=None) -> dict[s
     """Write every table of the store at `db_path` (anything `open_store` accepts) to
     `out_dir/<table>.parquet` with zstd compression; returns table -> rows written. A table the source
     lacks is written empty with the contract's columns (the reader fills absent ones with NULL anyway).
-    `progress(table, rows, seconds)` is called after each table."""
+    `progress(table, rows, seconds, bytes)` is called after each table is written (to its temporary name)."""
     out = Path(out_dir).expanduser()
     src = Path(db_path).expanduser()
     if src.is_dir() and out.resolve() in (src.resolve(), (src / "results").resolve()):
@@ -49,10 +52,12 @@ def export(db_path: str | Path, out_dir: str | Path, *, progress=None) -> dict[s
         raise UserError(f"--out {out} exists and is not a directory; pass a new or existing folder")
     if shards.is_shard_store(out):  # its readers take the shards, never <table>.parquet files beside them
         raise UserError(f"--out {out} is a shard store (recorded or imported runs); export into another folder")
+    _refuse_foreign_out(out)
     con = open_store(src)
-    out.mkdir(parents=True, exist_ok=True)
     counts: dict[str, int] = {}
+    written: list[tuple[Path, Path]] = []  # (temporary, final) of every table written
     try:
+        out.mkdir(parents=True, exist_ok=True)
         for table in TABLES:
             t0 = time.perf_counter()
             cols = _columns(con, table)
@@ -63,21 +68,41 @@ def export(db_path: str | Path, out_dir: str | Path, *, progress=None) -> dict[s
             final = out / f"{table}.parquet"
             tmp = out / f".{table}.parquet.tmp-{os.getpid()}"
             path_sql = "'" + str(tmp).replace("'", "''") + "'"
-            try:
-                con.execute(
-                    f"COPY (SELECT * FROM {table}{order_sql}) TO {path_sql} "
-                    "(FORMAT parquet, COMPRESSION zstd, ROW_GROUP_SIZE 122880)"
-                )
-                os.replace(tmp, final)
-            finally:
-                if tmp.exists():
-                    tmp.unlink()
+            written.append((tmp, final))
+            con.execute(
+                f"COPY (SELECT * FROM {table}{order_sql}) TO {path_sql} "
+                "(FORMAT parquet, COMPRESSION zstd, ROW_GROUP_SIZE 122880)"
+            )
             counts[table] = int(con.execute(f"SELECT count(*) FROM {table}").fetchone()[0])
             if progress is not None:
-                progress(table, counts[table], time.perf_counter() - t0)
+                progress(table, counts[table], time.perf_counter() - t0, tmp.stat().st_size)
+        for tmp, final in written:
+            os.replace(tmp, final)
     finally:
         con.close()
+        for tmp, _ in written:
+            tmp.unlink(missing_ok=True)
     return counts
+
+
+def _refuse_foreign_out(out: Path) -> None:
+    """UserError when `out` holds Parquet files (<name>.parquet or a <table>/ folder) and is not an earlier
+    export of ours: its meta.parquet records the schema_version. Nothing is written before this check."""
+    import duckdb
+
+    if not out.is_dir() or not (any(out.glob("*.parquet")) or any((out / t).is_dir() for t in TABLES)):
+        return
+    meta = out / "meta.parquet"
+    version = None
+    if meta.is_file():
+        try:
+            version = duckdb.connect().execute(
+                "SELECT max(value) FROM read_parquet(?) WHERE key = 'schema_version'", [str(meta)]).fetchone()[0]
+        except duckdb.Error:
+            version = None
+    if version != SCHEMA_VERSION:
+        raise UserError(f"--out {out} holds Parquet files that are not a mismatch-lab export (no meta.parquet with "
+                        f"schema_version {SCHEMA_VERSION}); export into a new or empty folder, nothing was written")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -88,8 +113,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
 
-    def show(table: str, rows: int, seconds: float) -> None:
-        size = (out / f"{table}.parquet").stat().st_size
+    def show(table: str, rows: int, seconds: float, size: int) -> None:
         print(f"  {table:<16} {rows:>11,} rows  {size / 1e6:8.2f} MB  {seconds:5.1f} s", flush=True)
 
     print(f"export {args.db} -> {out}/<table>.parquet (zstd)")

@@ -8,11 +8,16 @@
       partitions) for the tables of `schema.TABLES`: an in-memory DuckDB with one VIEW per table.
       A missing file gives an empty table; a contract column a file lacks reads as NULL. `key=value`
       folders count only below `<dir>/<table>/` (a store under `runs/seed=3/` gains no column `seed`).
-  (c) a study directory `studies/<name>/` (or its study.toml): its `results/` directory, as in (b).
+  (c) a study directory `studies/<name>/` (or its study.toml): its `results/` directory, as in (b); a study
+      without `results/` but holding the DuckDB file `collect --study` writes there: that file, as in (a)
+      (the only `*.duckdb` of the folder, or `<name>.duckdb` among several). `results/` wins when both exist.
   (d) a shard store (recorded and imported runs, `store.shards`): read as (b), its `runs` folded to one
       row per run from the per-rank rows (`shards.RUNS_VIEW`); its tokens and scores are also offered
       in row-aligned slices of units (`store.aligned`), which `analyze` joins by position.
-Anything else raises `UserError` naming the fix.
+Anything else raises `UserError` naming the fix, and so does a store that is not ours or breaks the data
+contract, checked once here from the schema alone (no data is scanned): a DuckDB file must hold our `meta`
+table (`schema.not_ours`; a file with no table yet passes), and every table present must hold the required
+columns of `schema.REQUIRED_COLUMNS` with types that fit the contract's (`schema.type_fits`).
 """
 
 from __future__ import annotations
@@ -30,7 +35,14 @@ import duckdb
 
 from mismatch_lab.errors import UserError
 from mismatch_lab.store import aligned
-from mismatch_lab.store.schema import DDL, TABLES
+from mismatch_lab.store.schema import (
+    DDL,
+    REQUIRED_COLUMNS,
+    TABLES,
+    contract_type,
+    not_ours,
+    type_fits,
+)
 from mismatch_lab.store.shards import RUNS_VIEW, committed_files, is_shard_store
 
 STORE_HELP = ("the store: a .duckdb file (a running collect is fine), a directory of <table>.parquet files, a "
@@ -38,7 +50,7 @@ STORE_HELP = ("the store: a .duckdb file (a running collect is fine), a director
 """The --db help of every command that reads a store (what `open_store` accepts)."""
 ACCEPTED = (
     "pass a .duckdb file, a directory holding <table>.parquet files, a study directory "
-    "(studies/<name>/ with a results/ folder) or a recorded/imported run store"
+    "(studies/<name>/ with a results/ folder or its <name>.duckdb) or a recorded/imported run store"
 )
 READER_MEMORY_LIMIT = "3GB"
 """DuckDB's own default is 80 % of RAM, which a reader could take from a collect running beside it. At
@@ -71,15 +83,64 @@ def _open(p: Path) -> duckdb.DuckDBPyConnection:
     if p.is_dir():
         if (p / "results").is_dir():
             return _open_parquet_dir(p / "results")
-        if _parquet_sources(p) or is_shard_store(p):
+        if is_shard_store(p) or _parquet_sources(p):  # (a shard store's files are listed and checked once)
             return _open_parquet_dir(p)
-        dbs = sorted(p.glob("*.duckdb"))
-        hint = f"; this directory holds {', '.join(str(x) for x in dbs)}: pass that file" if dbs else ""
-        raise UserError(f"{p} holds neither <table>.parquet files nor a results/ folder{hint}; {ACCEPTED}")
+        db = study_duckdb(p)
+        if db is not None:
+            return _open_file(db)
+        raise UserError(f"{p} holds neither <table>.parquet files, a results/ folder nor a .duckdb file; {ACCEPTED}")
     raise UserError(f"no such file or directory: {p}; {ACCEPTED}")
 
 
+def study_duckdb(d: Path) -> Path | None:
+    """The DuckDB store of a study folder `d` (what `collect --study d/study.toml` writes by default): its only
+    `*.duckdb` file, or `<folder name>.duckdb` among several; None where it holds none. Several others:
+    UserError naming them."""
+    dbs = sorted(x for x in d.glob("*.duckdb") if x.is_file())
+    if len(dbs) <= 1:
+        return dbs[0] if dbs else None
+    named = d / f"{d.resolve().name}.duckdb"
+    if named in dbs:
+        return named
+    raise UserError(f"{d} holds several DuckDB files ({', '.join(x.name for x in dbs)}); pass one of them as the store")
+
+
 def _open_file(p: Path) -> duckdb.DuckDBPyConnection:
+    con = _connect_file(p)
+    try:
+        why = not_ours(con)
+        if why is not None:
+            raise UserError(f"{p} is not a mismatch-lab store: {why}; pass a store that mismatch-lab wrote "
+                            "(collect, train, export, import); the file was not changed")
+        rows = con.execute("SELECT table_name, column_name, data_type FROM information_schema.columns "
+                           "WHERE table_schema = 'main' AND table_catalog = current_database()").fetchall()
+        described: dict[str, dict[str, str]] = {}
+        for table, column, typ in rows:
+            described.setdefault(table, {})[column] = typ
+        for table, columns in described.items():
+            check_columns(p, table, columns)
+    except BaseException:
+        con.close()
+        raise
+    return con
+
+
+def check_columns(where: Path, table: str, columns: dict[str, str]) -> None:
+    """UserError unless the `table` of the store at `where`, holding `columns` (name -> DuckDB type), has every
+    required column of the contract (`schema.REQUIRED_COLUMNS`) with a type that fits (`schema.type_fits`)."""
+    for column in REQUIRED_COLUMNS.get(table, ()):
+        expected = contract_type(table, column)
+        fix = (f"write {table}.{column} as {expected} (docs/design.md, \"The data contract\") and open the store "
+               "again")
+        if column not in columns:
+            raise UserError(f"{where}: the {table} table has no column {column} ({expected}), which the data "
+                            f"contract requires; {fix}")
+        found = columns[column].strip('"')
+        if not type_fits(found, expected):
+            raise UserError(f"{where}: column {table}.{column} is {found}, the data contract needs {expected}; {fix}")
+
+
+def _connect_file(p: Path) -> duckdb.DuckDBPyConnection:
     try:
         return duckdb.connect(str(p), read_only=True)
     except duckdb.IOException as exc:
@@ -223,10 +284,14 @@ def _open_parquet_dir(d: Path) -> duckdb.DuckDBPyConnection:
             continue
         reader = src
         try:
-            present = {r[0] for r in con.execute(f"DESCRIBE SELECT * FROM {reader}").fetchall()}
+            present = {r[0]: r[1] for r in con.execute(f"DESCRIBE SELECT * FROM {reader}").fetchall()}
+            check_columns(d, table, present)
         except duckdb.Error as exc:
             con.close()
             raise UserError(f"cannot read the {table} table of {d} as Parquet ({_last_line(exc)}); re-export the store") from exc
+        except UserError:
+            con.close()
+            raise
         absent = [(name, typ) for name, typ in contract[table] if name not in present]
         for name, _ in absent:
             con.execute(f"INSERT INTO {FILLED_COLUMNS} VALUES (?, ?)", [table, name])

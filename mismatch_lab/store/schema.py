@@ -10,6 +10,7 @@ together with its row in `chunks_done`, so a crash leaves either the whole chunk
 from __future__ import annotations
 
 import math
+import re
 
 SCHEMA_VERSION = "1"
 
@@ -126,6 +127,66 @@ def rollout_label_sql(alias: str | None = "runs") -> str:
 
 
 TABLES = tuple(COLUMNS)
+
+REQUIRED_COLUMNS: dict[str, tuple[str, ...]] = {
+    "meta": ("key", "value"),
+    "runs": ("run_id", "kind", "engine"),
+    "sequences": ("run_id", "seq_id", "step", "response_len"),
+    "tokens": ("run_id", "seq_id", "pos", "token_id", "logp_rollout"),
+    "scores": ("run_id", "seq_id", "pos", "scorer", "logp", "nonfinite"),
+    "train_metrics": ("run_id", "step", "name", "value"),
+}
+"""table -> the columns a store must hold wherever it holds the table (docs/design.md, "The data contract"):
+`store.reader.open_store` refuses a store that lacks one or holds one of an incompatible type (`type_fits`).
+Every other contract column is optional: absent (a Parquet store's reader fills it with NULL) or NULL.
+`store.synthetic.REQUIRED_COLUMNS` (what a framework's run holds, for the tests) keeps these and more."""
+
+_TYPE_FAMILIES = {
+    "DOUBLE": r"(U?(TINY|SMALL|BIG|HUGE)?INT(EGER)?|FLOAT|DOUBLE|REAL|DECIMAL(\(.*\))?)",
+    "BIGINT": r"U?(TINY|SMALL|BIG|HUGE)?INT(EGER)?",
+    "INTEGER": r"U?(TINY|SMALL|BIG|HUGE)?INT(EGER)?",
+    "VARCHAR": r"(VARCHAR|JSON)",
+    "JSON": r"(VARCHAR|JSON)",
+    "BOOLEAN": r"BOOLEAN",
+    "TIMESTAMP": r"(TIMESTAMP.*|DATE)",
+}
+"""contract type -> the DuckDB types (regex) a store's column may have instead: any number where a DOUBLE is
+expected (a framework's float32 log-probs), any integer where an integer is, text or JSON where text is; a
+Parquet column of Arrow type null (no value at all) fits any."""
+
+
+def contract_type(table: str, column: str) -> str:
+    """The DuckDB type of a contract column (from `COLUMNS`)."""
+    return next(typ for name, typ, _ in COLUMNS[table] if name == column)
+
+
+def type_fits(found: str, expected: str) -> bool:
+    """Whether a column of DuckDB type `found` can be read where the contract declares `expected`."""
+    family = _TYPE_FAMILIES.get(expected, re.escape(expected))
+    found = found.strip().strip('"').upper()
+    return found == "NULL" or re.fullmatch(family, found) is not None  # "NULL": a column holding only NULLs
+
+
+def not_ours(con) -> str | None:
+    """Why the DuckDB database of `con` is not a mismatch-lab store, or None where it is one: it holds a
+    `meta` table recording this SCHEMA_VERSION (what `create_schema` writes first), or no table at all (a
+    new file). Reads the catalog and one row only; writes nothing."""
+    rows = con.execute(
+        "SELECT table_name, list(column_name) FROM information_schema.columns WHERE table_schema = 'main' "
+        "AND table_catalog = current_database() GROUP BY table_name ORDER BY table_name"
+    ).fetchall()
+    tables = {name: set(cols) for name, cols in rows}
+    if not tables:
+        return None
+    listed = ", ".join(list(tables)[:8]) + (", ..." if len(tables) > 8 else "")
+    if not {"key", "value"} <= tables.get("meta", set()):
+        return f"it holds tables ({listed}) but no mismatch-lab meta table with a schema_version"
+    row = con.execute("SELECT max(value) FROM meta WHERE key = 'schema_version'").fetchone()
+    if row[0] is None:
+        return f"its meta table records no schema_version (tables: {listed})"
+    if str(row[0]) != SCHEMA_VERSION:
+        return f"it records schema_version {row[0]}, this mismatch-lab reads and writes {SCHEMA_VERSION}"
+    return None
 
 
 def create_schema(con) -> None:

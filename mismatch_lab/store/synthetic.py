@@ -473,7 +473,7 @@ def subset_store(src: str | Path, out: str | Path, groups=(), *, form: str = "pa
     the OPTIONAL_GROUPS named in `groups`. form='parquet': `out/<table>.parquet` for runs, sequences,
     tokens, scores and train_metrics (the reader then fills the absent contract columns with NULLs);
     form='duckdb': a DuckDB file at `out` whose tables physically lack the other columns (and which has no
-    bookkeeping tables). `out` must not exist."""
+    bookkeeping tables but `meta`, whose schema_version makes the file a store of ours). `out` must not exist."""
     src, out = Path(src), Path(out)
     unknown = set(groups) - set(OPTIONAL_GROUPS)
     if unknown:
@@ -499,6 +499,8 @@ def subset_store(src: str | Path, out: str | Path, groups=(), *, form: str = "pa
                 con.execute(f"CREATE TABLE dst.{table} AS SELECT {select} FROM src.{table}")
             else:
                 con.execute(f"COPY (SELECT {select} FROM src.{table}) TO '{out / (table + '.parquet')}' (FORMAT parquet)")
+        if form == "duckdb":
+            con.execute("CREATE TABLE dst.meta AS SELECT * FROM src.meta")
     finally:
         con.close()
     return out

@@ -6,6 +6,9 @@ crash (Ctrl-C, kill -9) the file holds every committed chunk exactly once and no
 flight. Re-running the same command asks `done_chunks(run_id)` and skips those.
 
 DuckDB allows one writing process per file; a second writer gets `StoreBusyError` at once, not a hang.
+A writer writes only into a file of ours (`schema.not_ours`: our `meta` table, or no table yet); any other
+DuckDB file, or a file that is not DuckDB at all, is refused with `UserError` before a byte is written
+(`check_ours`, which `collect` also calls before it loads a model).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from mismatch_lab.errors import StoreBusyError, UserError
-from mismatch_lab.store.schema import COLUMNS, create_schema
+from mismatch_lab.store.schema import COLUMNS, create_schema, not_ours
 
 # Arrow types of the DuckDB types of `schema.COLUMNS`, so DuckDB inserts without casting surprises (lists stay lists).
 ARROW_OF_SQL = {
@@ -66,11 +69,46 @@ def to_arrow(table: str, columns: dict[str, list]) -> pa.Table:
     return pa.table(arrays)
 
 
-def connect_writer(path: str | Path):
-    """Open (or create) the study database for writing; StoreBusyError if another process writes it."""
+def check_ours(path: str | Path) -> None:
+    """UserError unless `path` is absent or a DuckDB file that mismatch-lab may write into (`schema.not_ours`).
+    The file is opened read-only, so a file that is refused is left exactly as it was. A file another process
+    holds open for writing is left to `connect_writer` (StoreBusyError)."""
     import duckdb
 
     path = Path(path)
+    if not path.exists():
+        return
+    if path.is_dir():
+        raise UserError(f"--db {path} is a folder; pass a .duckdb file path (a new one, or one mismatch-lab wrote)")
+    try:
+        con = duckdb.connect(str(path), read_only=True)
+    except duckdb.ConnectionException:
+        return  # this process holds it open already (a writer of ours)
+    except duckdb.IOException as exc:
+        if "lock" in str(exc).lower():
+            return
+        raise UserError(f"{path} is not a DuckDB file ({_last_line(exc)}); pass a new --db path, the file was not "
+                        "changed") from exc
+    try:
+        why = not_ours(con)
+    finally:
+        con.close()
+    if why is not None:
+        raise UserError(f"{path} is not a mismatch-lab store: {why}; pass a new --db path (or one mismatch-lab "
+                        "wrote), the file was not changed")
+
+
+def _last_line(exc: BaseException) -> str:
+    return str(exc).strip().splitlines()[-1]
+
+
+def connect_writer(path: str | Path):
+    """Open (or create) the study database for writing; StoreBusyError if another process writes it,
+    UserError if the file is not ours (`check_ours`)."""
+    import duckdb
+
+    path = Path(path)
+    check_ours(path)
     if path.parent and not path.parent.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
     try:
@@ -82,6 +120,10 @@ def connect_writer(path: str | Path):
                 "wait for it to finish or pass a different --db"
             ) from exc
         raise UserError(f"cannot open {path}: {exc}; pass a writable --db path") from exc
+    why = not_ours(con)  # again: a file another process held during check_ours, changed since
+    if why is not None:
+        con.close()
+        raise UserError(f"{path} is not a mismatch-lab store: {why}; pass a new --db path (or one mismatch-lab wrote)")
     create_schema(con)
     return con
 
