@@ -99,7 +99,13 @@ def main(argv: list[str] | None = None) -> int:
     except (KeyboardInterrupt, Exception) as exc:
         terminated = isinstance(exc, Terminated) or bool(_TERMINATED)  # (an interrupted DuckDB query re-raises)
         if not terminated and not isinstance(exc, KeyboardInterrupt):
-            raise
+            from mismatch_lab.errors import storage_error_line
+
+            line = storage_error_line(exc)  # a full disk, a read-only folder, a denied permission
+            if line is None:
+                raise
+            print(f"mismatch-lab {args.command}: error: {line}", file=sys.stderr)
+            return 2
         what = "terminated (SIGTERM)" if terminated else "interrupted"
         print(f"\nmismatch-lab {args.command}: {what}; committed work is kept, re-run the same command to resume",
               file=sys.stderr)
