@@ -85,7 +85,8 @@ def _objectives() -> list[Method]:
                "GMPO (arXiv 2507.20673), clip ±0.4 in log space", "verl: policy_loss.loss_mode=geo_mean", sign=True),
         Method("dppo_binary_tv", "objective", "token", {"delta": D.DPPO_DELTA_TV}, rules.dppo_binary_tv,
                "M = 0 where A's direction and |π − a| > δ; w = r", dppo + ", D = binary TV (Eq. 13)",
-               "prime-rl's default loss is this rule on π − μ at δ 0.2 (see prime_rl_mask)", sign=True),
+               "prime-rl's default loss masks like this rule with a = μ at δ 0.2, but also masks A = 0 tokens with "
+               "π − μ < −0.2 and adds 1e-3·(log π/μ)² on every token: not equal (preset prime-rl/default)", sign=True),
         Method("dppo_binary_kl", "objective", "token", {"delta": D.DPPO_DELTA_KL}, rules.dppo_binary_kl,
                "M = 0 where A's direction and KL(Bern(a) ‖ Bern(π)) > δ; w = r", dppo + ", D = binary KL (Eq. 14)",
                sign=True),
@@ -132,7 +133,9 @@ def _corrections() -> list[Method]:
                "off-policy sequence masking (DeepSeek-V3.2)", "slime: --use-opsm --opsm-delta 1e-4; TRL: off_policy_mask_threshold", sign=True),
         Method("prime_rl_mask", "correction", "token", {"threshold": D.PRIME_RL_DP}, rules.prime_rl_mask,
                "M = 0 where (A>0, π − μ > t) or (A<0, π − μ < −t)", "prime-rl's default loss mask (Δp, t = 0.2)",
-               "prime-rl: its default loss (mask on Δp at 0.2; dppo_mask_low / dppo_mask_high in newer versions)", sign=True),
+               "prime-rl's default loss (dppo_mask_low/high 0.2) differs: it reads the current π, not π_ref; it masks "
+               "A = 0 tokens with π − μ < −0.2 (this rule keeps them); it weights kept tokens by π/μ and adds "
+               "1e-3·(log π/μ)² on every token (preset prime-rl/default)", sign=True),
     ]
 
 

@@ -31,6 +31,7 @@ EXTREMES: list[tuple[list[float], list[float], list[float], float]] = [
     ([-25.0], [-25.0], [-0.3], 0.5),                                          # π < 1e-10, one token
     ([-0.2], [-0.2], [-24.0], -0.5),                                          # μ < 1e-10, one token
     ([-0.7, -1.1], [-0.6, -1.0], [-2.0, -3.0], 0.0),                          # A = 0, large r
+    ([-2.0], [-2.0], [-0.5], 0.0),                                            # A = 0, Δp ≈ −0.47
     ([math.log(3.0)], [math.log(3.0)], [0.0], 1.0),                           # ρ = 3 exactly (ln 3)
     ([math.log(2.0) - 1.0], [math.log(2.0) - 1.0], [-1.0], -1.0),              # r = 2 (slime TIS cap)
     ([math.log(0.5) - 0.5], [math.log(0.5) - 0.5], [-0.5], 1.0),              # r = 0.5 (IcePop low)
@@ -40,6 +41,7 @@ EXTREMES: list[tuple[list[float], list[float], list[float], float]] = [
     ([-0.05, -3.0, -0.4], [-0.06, -2.9, -0.5], [-0.05, -2.0, -0.45], -1.0),    # π ≠ π_old, A < 0
     ([-0.01], [-2.0], [-2.0], 1.0),                                           # π/π_old = e^1.99, A > 0
     ([-3.0], [-0.5], [-0.5], -1.0),                                           # π/π_old = e^−2.5, A < 0
+    ([-1e-12], [-1e-12], [-1e-12], 1.0),                                      # on-policy, π ≈ 1
 ]
 
 
@@ -61,8 +63,10 @@ def _store_rows() -> list[tuple[list[float], list[float], list[float], float]]:
 
 
 def rows() -> list[tuple[list[float], list[float], list[float], float]]:
-    """The store's rows, then the extreme ones."""
-    return _store_rows() + EXTREMES
+    """The store's rows, then the extreme ones (an even count: TRL groups completions in pairs)."""
+    out = _store_rows() + EXTREMES
+    assert len(out) % 2 == 0, len(out)
+    return out
 
 
 def tokens(batch: list[tuple[list[float], list[float], list[float], float]] | None = None,
