@@ -10,8 +10,12 @@
     mismatch-lab runs --db X.duckdb [--drop RUN_ID]
     mismatch-lab corrections --db studies/precision-sweep/results --json corrections.json
 
-Each subcommand lives in its own module exposing `add_arguments(parser)` and `run(args) -> int`; the
-module is imported only when its subcommand runs, so `mismatch-lab analyze` never imports torch.
+Each subcommand lives in its own module exposing `add_arguments(parser)` and `run(args) -> int`. The
+top-level parser is built from SUBCOMMANDS' help strings alone; a module is imported (and its arguments
+added) only when its subcommand is chosen, `COMMAND --help` included. So `mismatch-lab --help` imports no
+subcommand module, and the commands that need no torch (analyze, doctor, runs, import, export) and every
+`--help` but train's import neither torch, transformers nor vLLM (tests/test_cli_startup.py;
+benchmarks/bench_cli_startup.py times them).
 User mistakes raise `UserError`, printed as one line with exit status 2.
 """
 
@@ -56,19 +60,26 @@ def json_output(value: str | None, example: str = "out.json") -> Path | None:
     return path
 
 
+class _LazySubcommands(argparse._SubParsersAction):
+    """The subcommands, each parser left empty until its command is chosen: then its module is imported
+    and its `add_arguments` called, so `mismatch-lab --help` and `mismatch-lab runs ...` import only what
+    the chosen command imports (tests/test_cli_startup.py)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        chosen = self._name_parser_map.get(values[0])
+        if chosen is not None and not chosen.get_default("_run"):
+            module = importlib.import_module(SUBCOMMANDS[values[0]][0])
+            module.add_arguments(chosen)
+            chosen.set_defaults(_run=module.run)
+        super().__call__(parser, namespace, values, option_string)
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser, built from SUBCOMMANDS' help strings alone (no subcommand module imported)."""
     parser = argparse.ArgumentParser(prog="mismatch-lab", description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, (module_name, help_text) in SUBCOMMANDS.items():
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            if exc.name != module_name:
-                raise
-            continue  # not part of this build yet: the subcommand is simply not offered
-        p = sub.add_parser(name, help=help_text, description=help_text)
-        module.add_arguments(p)
-        p.set_defaults(_run=module.run)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", action=_LazySubcommands)
+    for name, (_, help_text) in SUBCOMMANDS.items():
+        sub.add_parser(name, help=help_text, description=help_text)
     return parser
 
 
