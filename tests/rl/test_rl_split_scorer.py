@@ -52,16 +52,23 @@ def test_weight_rounding_metric_equals_a_fresh_model_on_the_rounded_state_dict(t
     # naive: two fresh fp32 models, the checkpoint's weights and their bf16 rounding, each model's own forward
     fresh, rounded = (AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval() for _ in range(2))
     rounded.load_state_dict(round_state(state, "bf16"))
-    diffs = []
+    diffs, scale = [], 0.0
     with torch.no_grad():
         for p, r in zip(batch.prompt_ids, batch.responses):
             ids = torch.tensor([list(p) + list(r)])
-            a, b = (torch.log_softmax(m(ids).logits.float(), -1)[0] for m in (fresh, rounded))
+            logits = [m(ids).logits.float()[0] for m in (fresh, rounded)]
+            scale = max([scale, *(float((x.abs().amax(-1) + torch.logsumexp(x, -1).abs()).max()) for x in logits)])
+            a, b = (torch.log_softmax(x, -1) for x in logits)
             rows, tgt = torch.arange(len(p) - 1, len(p) + len(r) - 1), torch.tensor(r)
             diffs.append((a[rows, tgt] - b[rows, tgt]).abs())
     d = torch.cat(diffs)  # denominator: every response token of the batch
-    assert got[KEY] == pytest.approx(float(d.mean()), abs=1e-6)
-    assert got["mismatch/weight_rounding/abs_dlogp/max"] == pytest.approx(float(d.max()), abs=1e-6)
+    # fp32 forwards that reduce in another order (batch shape, CPU kernels) differ by up to
+    # 4 · eps_fp32 · sqrt(hidden 128) · (|logit| + |logsumexp|) per log-prob (the reason is written out in
+    # tests/collect/test_collect_weight_rounding_scorer.py, REL); |Δ log p| carries two such errors
+    tol = 2 * 4 * torch.finfo(torch.float32).eps * 128**0.5 * scale
+    assert got[KEY] == pytest.approx(float(d.mean()), rel=0, abs=tol)
+    assert got["mismatch/weight_rounding/abs_dlogp/max"] == pytest.approx(float(d.max()), rel=0, abs=tol)
+    assert float(d.mean()) > 10 * tol  # the rounding's effect stands well above the tolerance
     assert got[KEY] > 1e-6  # bf16 rounding of the tiny model's fp32 weights moves π
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())  # the trainer keeps its weights
     copy = cache["split_model"]
