@@ -16,7 +16,10 @@ Rules kept here for all formats:
   (`-pNNNN` for further parts of a large file); a file whose digest already names a committed
   sequences shard of the run is skipped, so importing the same files again adds nothing;
 * all or nothing: every shard of one import is staged in one Transaction and committed at the end;
-  any error (or Ctrl-C) removes what was staged, so the store is left as it was;
+  any error (or Ctrl-C, SIGTERM) before the commit removes what was staged, so the store is left as it
+  was; the commit (run row as running, renames, run row as complete) runs with those signals deferred
+  (`_commit`), and a process killed outright during it leaves a journal that the next import of the run
+  finishes (`commit_journal`): committed rows never lack their run row;
 * sequence ids: `record.arrow.seq_ids(step, rank, index)`, the index continuing after the highest one
   the run already holds for that (step, rank): imports of different files into one run never collide.
 """
@@ -274,8 +277,11 @@ def run_import(fmt: str, module, args, out=None) -> Summary:
     progress = Progress(len(disc.sources))
     try:
         with shards.run_lock(root, run_id):
+            finished = shards.replay_journal(root, commit_journal(root, run_id))  # a commit killed half way
             stale = shards.remove_stale_tmp(root, run_id, "import-")  # a killed import's staged files
             summary = _import_locked(root, run_id, fmt, module, args, disc, texts, path, progress, stale)
+            if finished:
+                summary.notes.append(f"finished the commit of an import killed during it ({finished} files)")
     except BaseException:
         if new_store:
             _remove_new_store(root)
@@ -288,9 +294,10 @@ def run_import(fmt: str, module, args, out=None) -> Summary:
 
 def _import_locked(root: Path, run_id: str, fmt: str, module, args, disc: Discovery, texts, path: Path,
                    progress: Progress, stale: int = 0) -> Summary:
-    """run_import's work once the run's import lock is held: read, stage, commit (or abort and remove
-    what this import created, restoring the run row it found). `stale`: staged files of a killed import
-    found (and removed) before: then a run left running may hold a partial commit and stays running."""
+    """run_import's work once the run's import lock is held: read, stage, commit (`_commit`), or abort and
+    remove what this import created. `stale`: staged files of a killed import found (and removed) before:
+    then a run left running may hold a partial commit (of an older version, which kept no journal) and
+    stays running."""
     row = run_row(run_id, root, fmt, module.FRAMEWORK, args, disc, path)
     old = shards.existing_run(root, run_id)
     if old is not None:
@@ -306,62 +313,101 @@ def _import_locked(root: Path, run_id: str, fmt: str, module, args, disc: Discov
     summary = Summary(run_id=run_id, store=root, fmt=fmt, scorer=row["config"]["scorer"], rollout=rollout,
                       notes=list(disc.notes))
     done = imported_digests(root, run_id)
-    next_index: dict[tuple[int, int], int] = {}
+    if old is None and done:
+        raise UserError(f"run {run_id!r} of {root} holds imported rows but no run row (left by an import of an "
+                        f"older version stopped after its commit); drop them with `mismatch-lab runs --db {root} "
+                        f"--drop {run_id}`, then import again")
     stager = _Stager(shards.Transaction(root), root, run_id, summary)
     try:
-        for i, src in enumerate(disc.sources, 1):
-            digest, src.n_lines, src.found = file_digest(src.path, getattr(module, "PROBES", ()))
-            key = digest[:16]
-            if key in done:
-                summary.files_skipped += 1
-                continue
-            done.add(key)  # the same bytes twice in one import count once
-            stager.start(key)
-            for batch in _read(module, fmt, src, args):
-                if not 0 <= batch.rank < MAX_RANKS:
-                    raise UserError(f"{src.path}: rank {batch.rank} outside [0, {1 << RANK_BITS})")
-                k = (batch.step, batch.rank)
-                if k not in next_index:
-                    next_index[k] = next_free_index(root, run_id, batch.step, batch.rank)
-                try:
-                    tables, st = batch_tables(run_id, batch, next_index[k], summary.scorer, texts)
-                except ValueError as exc:  # seq_ids: step or sequence count out of range
-                    raise UserError(f"{src.path}: {exc}") from exc
-                next_index[k] += st.sequences
-                summary.stats.add(st)
-                if st.sequences:
-                    summary.steps.add(batch.step)
-                    stager.add(batch.step, tables, st.tokens)
-                progress.update(i - 1, summary.stats.tokens)
-            stager.finish()
-            if src.skipped:
-                summary.notes.append(f"{src.path.name} skipped: {src.skipped}")
-                continue
-            summary.files_read += 1
-            progress.update(i, summary.stats.tokens)
-        if summary.shards:
-            # before the commit, as running: committed data always has its run row, and a kill before the
-            # renames leaves no run that claims to be complete
-            shards.write_run_row(root, {**row, "status": "running"}, 0)
-            stager.tx.commit()
+        _stage(stager, module, fmt, args, disc, texts, done, progress)
         if disc.sources and all(src.skipped for src in disc.sources):
             raise UserError(f"no {fmt} file to import under {path}: {'; '.join(summary.notes)}")
+        stager.tx.sync()  # the slow part of the commit, while an interrupt still undoes everything
+        if summary.shards:
+            _commit(root, stager, row, old)
     except BaseException:
-        stager.tx.abort()
-        _remove_empty(stager.dirs, root)
-        if old is not None and summary.shards:  # the row it found, as it was
-            shards.write_run_row(root, old, 0)
-        if old is None:  # a run this import created: its row goes too
-            row_path = shards.run_row_path(root, run_id, 0)
-            row_path.unlink(missing_ok=True)
-            if row_path.parent.is_dir() and not any(row_path.parent.iterdir()):
-                os.rmdir(row_path.parent)
+        if not stager.tx.left_renamed:  # nothing of it is in the store: remove what it staged
+            stager.tx.abort()
+            _remove_empty(stager.dirs, root)
         raise
-    # Committed: nothing is undone from here (a failure leaves the row at running, as a kill would). A run
-    # left running by an import killed after its renames is complete once nothing is left to add.
-    if summary.shards or (old is not None and old.get("status") == "running" and not stale):
+    if not summary.shards and old is not None and old.get("status") == "running" and not stale:
+        # a run left running by an import killed after its renames is complete once nothing is left to add
         shards.write_run_row(root, row, 0)
     return summary
+
+
+def _stage(stager: _Stager, module, fmt: str, args, disc: Discovery, texts, done: set[str],
+           progress: Progress) -> None:
+    """Read every source not imported before (`done`: digests) and stage its shards in `stager`."""
+    root, run_id, summary = stager.root, stager.run_id, stager.summary
+    next_index: dict[tuple[int, int], int] = {}
+    for i, src in enumerate(disc.sources, 1):
+        digest, src.n_lines, src.found = file_digest(src.path, getattr(module, "PROBES", ()))
+        key = digest[:16]
+        if key in done:
+            summary.files_skipped += 1
+            continue
+        done.add(key)  # the same bytes twice in one import count once
+        stager.start(key)
+        for batch in _read(module, fmt, src, args):
+            if not 0 <= batch.rank < MAX_RANKS:
+                raise UserError(f"{src.path}: rank {batch.rank} outside [0, {1 << RANK_BITS})")
+            k = (batch.step, batch.rank)
+            if k not in next_index:
+                next_index[k] = next_free_index(root, run_id, batch.step, batch.rank)
+            try:
+                tables, st = batch_tables(run_id, batch, next_index[k], summary.scorer, texts)
+            except ValueError as exc:  # seq_ids: step or sequence count out of range
+                raise UserError(f"{src.path}: {exc}") from exc
+            next_index[k] += st.sequences
+            summary.stats.add(st)
+            if st.sequences:
+                summary.steps.add(batch.step)
+                stager.add(batch.step, tables, st.tokens)
+            progress.update(i - 1, summary.stats.tokens)
+        stager.finish()
+        if src.skipped:
+            summary.notes.append(f"{src.path.name} skipped: {src.skipped}")
+            continue
+        summary.files_read += 1
+        progress.update(i, summary.stats.tokens)
+
+
+def commit_journal(root: Path, run_id: str) -> Path:
+    """The journal of an import's commit renames (`shards.Transaction.commit`), in the run's runs folder:
+    the next import of the run finishes a commit killed half way (`shards.replay_journal`)."""
+    return root / "runs" / run_id / "import-commit.json"
+
+
+def _commit(root: Path, stager: _Stager, row: dict, old: dict | None) -> None:
+    """Write the run row as running, rename the staged shards into place, write the row as `row` says,
+    with SIGINT/SIGTERM deferred throughout (`shards.signals_deferred`): a signal takes effect once the run
+    is whole, so no signal leaves committed rows without their run row. An error before any rename stayed
+    puts back the row it found (or removes the one it wrote); once one stayed, the row is never removed
+    (a failure leaves it running, as a kill would: the next import of the run finishes it)."""
+    run_id = stager.run_id
+    with shards.signals_deferred():
+        try:
+            # before the renames, as running: committed data always has its run row, and a kill before the
+            # renames leaves no run that claims to be complete
+            shards.write_run_row(root, {**row, "status": "running"}, 0)
+            stager.tx.commit(journal=commit_journal(root, run_id))
+        except BaseException:
+            if not stager.tx.left_renamed:
+                _put_back_row(root, run_id, old)
+            raise
+        shards.write_run_row(root, row, 0)
+
+
+def _put_back_row(root: Path, run_id: str, old: dict | None) -> None:
+    """The run row an import found, as it was (`old`), or none when the import created the run."""
+    if old is not None:
+        shards.write_run_row(root, old, 0)
+        return
+    row_path = shards.run_row_path(root, run_id, 0)
+    row_path.unlink(missing_ok=True)
+    if row_path.parent.is_dir() and not any(row_path.parent.iterdir()):
+        os.rmdir(row_path.parent)
 
 
 class _Stager:

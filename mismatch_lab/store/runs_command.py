@@ -13,7 +13,11 @@ holds the file's lock, and the command says so.
 
 A shard store (recorded and imported runs) is listed the same way; dropping a run there removes its
 folders (`shards.drop_run`): its sequences shards first, the commit points, so a reader never sees half
-a run. Stop the run's writers first: a Recorder still writing would add shards again.
+a run. Stop the run's writers first: a Recorder still writing would add shards again. The listing also
+names the runs whose shards have no run row (left by an import of an older version stopped just after
+its commit: invisible to `runs` and `analyze` otherwise), which `--drop` removes too, and warns of each
+damaged shard (a file cut short: its unit is left out of the tables, `shards.committed_files`).
+`--check` reads every committed file's Parquet footer and lists the damaged ones, exit status 1 if any.
 """
 
 from __future__ import annotations
@@ -67,6 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(Parquet results are read-only: drop the run in the .duckdb and export again)")
     parser.add_argument("--drop", metavar="RUN_ID", action="append", default=[],
                         help="delete this run and all its rows (repeatable)")
+    parser.add_argument("--check", action="store_true",
+                        help="shard stores: read the Parquet footer of every committed file and list the damaged "
+                        "ones (exit status 1 when there are any)")
 
 
 def _print_runs(runs: list[dict]) -> None:
@@ -79,22 +86,40 @@ def _print_runs(runs: list[dict]) -> None:
               f"{r['chunks']:>6} {r['sequences']:>7} {r['tokens']:>9}  {r['scorers'] or '-'}")
 
 
-def _run_shards(path: Path, drops: list[str]) -> int:
+def _run_shards(path: Path, drops: list[str], check: bool = False) -> int:
     from mismatch_lab.store import shards
     from mismatch_lab.store.reader import open_store
 
     for run_id in drops:
-        present = shards.run_ids(path)
+        present = sorted({*shards.run_ids(path), *shards.orphan_runs(path)})
         if run_id not in present:
             raise UserError(f"no run {run_id!r} in this store; its runs are: {', '.join(present) or '(none)'}")
         files = shards.drop_run(path, run_id)
         print(f"dropped {run_id}: {files} files")
+    if check:
+        return _check_shards(path)
     con = open_store(path)
     try:
         _print_runs(list_runs(con))
     finally:
         con.close()
+    for run_id, n in shards.orphan_runs(path).items():
+        print(f"orphan rows of run {run_id}: {n} shards, no run row; drop with mismatch-lab runs --db {path} "
+              f"--drop {run_id}")
     return 0
+
+
+def _check_shards(path: Path) -> int:
+    """`runs --check`: every committed file's footer read (`shards.damaged_files`); 1 when one is damaged."""
+    from mismatch_lab.store import shards
+
+    files = shards.committed_files(path, check=False)
+    bad = shards.damaged_files(path, files, footer=True)
+    for d in bad:
+        print(d.line())
+    n = sum(len(v) for v in files.values())
+    print(f"{len(bad)} damaged of {n} committed files" if bad else f"no damaged file among {n} committed files")
+    return 1 if bad else 0
 
 
 def run(args: argparse.Namespace) -> int:
@@ -102,7 +127,10 @@ def run(args: argparse.Namespace) -> int:
     from mismatch_lab.store.shards import is_shard_store
 
     if is_shard_store(path):
-        return _run_shards(path, args.drop)
+        return _run_shards(path, args.drop, args.check)
+    if args.check:
+        raise UserError("--check reads the shards of a recorded/imported run store; a DuckDB file checks itself "
+                        "when it is opened")
     if path.is_dir() or path.suffix != ".duckdb":
         raise UserError(f"--db {path} is not a .duckdb file; runs are listed and dropped in the study's DuckDB "
                         "store (Parquet results are an export of it)")

@@ -38,8 +38,10 @@ import fcntl
 import json
 import os
 import re
+import signal
 import socket
 import sys
+import threading
 import uuid
 import weakref
 from collections.abc import Iterator
@@ -104,9 +106,12 @@ def init_store(root: str | Path) -> Path:
     return root
 
 
-def committed_files(root: str | Path) -> dict[str, list[str]]:
+def committed_files(root: str | Path, check: bool = True) -> dict[str, list[str]]:
     """table -> its committed shard files (sorted): every runs file, and the step-table shards whose unit
-    has its sequences shard (the commit point). Tables without a committed file are absent."""
+    has its sequences shard (the commit point). Tables without a committed file are absent. `check`:
+    leave out the files `damaged_files` finds cut short (their whole unit: every table's shard of that
+    name and step), each with a warning on stderr naming it and the fix, so the store's other units and
+    runs stay readable."""
     root = Path(root)
     out: dict[str, list[str]] = {}
     runs = sorted(str(p) for p in root.glob("runs/*/*.parquet"))
@@ -118,7 +123,92 @@ def committed_files(root: str | Path) -> dict[str, list[str]]:
                        if p.relative_to(root / table) in done)
         if files:
             out[table] = files
+    if check:
+        bad = damaged_files(root, out)
+        for d in bad:
+            print(f"warning: {d.line()}; read without it", file=sys.stderr)
+        out = _without_units(root, out, {d.unit for d in bad})
     return out
+
+
+PARQUET_MAGIC = b"PAR1"
+
+
+def parquet_damage(path: str | Path, footer: bool = False) -> str | None:
+    """Why the file at `path` is not a whole Parquet file (a node died while writing it, the disk lost
+    its end), or None. Reads its first 4 and last 8 bytes: the magic at both ends and a footer length
+    that fits (a file cut short ends in data bytes); with `footer`, also parses the footer (pyarrow)."""
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            head = f.read(4)
+            f.seek(max(size - 8, 0))
+            tail = f.read(8)
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror})"
+    if size < 12 or head != PARQUET_MAGIC or tail[4:] != PARQUET_MAGIC:
+        return f"cut short: {size:,} bytes without a Parquet footer at the end"
+    if int.from_bytes(tail[:4], "little") + 12 > size:
+        return f"cut short: {size:,} bytes, fewer than its footer says"
+    if footer:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        try:
+            pq.read_metadata(path)
+        except (OSError, pa.ArrowException) as exc:
+            return f"its Parquet footer cannot be read ({str(exc).splitlines()[0]})"
+    return None
+
+
+class Damaged:
+    """A damaged file of a shard store (`parquet_damage`): its path, why, and its unit (a path below a
+    table folder: '<run>/step-<N>/<name>.parquet'; for a runs row '<run>/rank-<R>.parquet')."""
+
+    def __init__(self, root: Path, table: str, path: str, why: str):
+        self.root, self.table, self.path, self.why = root, table, path, why
+        self.unit = Path(path).relative_to(root / table)
+        self.run_id = self.unit.parts[0]
+
+    def fix(self) -> str:
+        drop = f"`mismatch-lab runs --db {self.root} --drop {self.run_id}`"
+        if self.table == "runs" or self.unit.name.startswith("import-"):
+            return f"drop the run ({drop}) and import or log it again"
+        step = self.unit.parent
+        return (f"delete it with the unit's other files ({self.root}/*/{step}/{self.unit.name}) and log step "
+                f"{int(step.name.removeprefix('step-'))} again, or drop the run ({drop})")
+
+    def line(self) -> str:
+        return f"damaged shard {self.path} of run {self.run_id!r} ({self.why}): {self.fix()}"
+
+
+def damaged_files(root: Path, files: dict[str, list[str]], footer: bool = False) -> list[Damaged]:
+    """The `files` (table -> paths, as `committed_files` lists them) that `parquet_damage` finds damaged."""
+    return [Damaged(Path(root), table, f, why) for table, paths in files.items() for f in paths
+            if (why := parquet_damage(f, footer)) is not None]
+
+
+def _without_units(root: Path, files: dict[str, list[str]], units: set[Path]) -> dict[str, list[str]]:
+    """`files` without those of the given units (paths below a table folder) in any table."""
+    if not units:
+        return files
+    out = {t: [f for f in paths if Path(f).relative_to(root / t) not in units] for t, paths in files.items()}
+    return {t: paths for t, paths in out.items() if paths}
+
+
+def orphan_runs(root: str | Path) -> dict[str, int]:
+    """run -> its shard files, for the runs whose step-table folders hold shards but which have no runs
+    row (an import of an older version stopped by a signal just after its commit removed the row)."""
+    root = Path(root)
+    rows = set(run_ids(root))
+    out: dict[str, int] = {}
+    for table in STEP_TABLES:
+        for folder in (root / table).glob("*"):
+            if folder.is_dir() and folder.name not in rows:
+                n = sum(1 for _ in folder.glob("step-*/*.parquet"))
+                if n:
+                    out[folder.name] = out.get(folder.name, 0) + n
+    return dict(sorted(out.items()))
 
 
 def run_ids(root: str | Path) -> list[str]:
@@ -397,6 +487,73 @@ def run_lock(root: Path, run_id: str, what: str = "import") -> Iterator[None]:
         lock.release()
 
 
+DEFERRED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+"""The signals `signals_deferred` holds back: Ctrl-C and `kill`/`timeout`/`scancel`/`docker stop`."""
+_deferring: list[list[int]] = []
+"""While a `signals_deferred` block runs in the main thread: one list, of the signals received meanwhile."""
+
+
+def _defer(signum, frame) -> None:
+    _deferring[0].append(signum)
+
+
+def _restore(handlers: list[tuple[int, object]]) -> None:
+    """Put the saved `handlers` back, each one even when a signal arriving meanwhile raises."""
+    if handlers:
+        try:
+            signal.signal(*handlers[0])
+        finally:
+            _restore(handlers[1:])
+
+
+@contextmanager
+def signals_deferred() -> Iterator[None]:
+    """Run the block with SIGINT and SIGTERM held back: a handler that records them replaces the process's
+    (an ignored signal stays ignored), and once the block ended the first one received is raised again
+    (`signal.raise_signal`) for the process's own handler, e.g. the CLI's, which raises then. For the few
+    milliseconds a store needs to be consistent again: a commit's renames and the run row around them.
+    Nested blocks are one block; outside the main thread (where Python runs no handler) it does nothing."""
+    if _deferring or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved: list[tuple[int, object]] = []
+    _deferring.append([])
+    try:
+        for sig in DEFERRED_SIGNALS:
+            handler = signal.getsignal(sig)
+            if handler not in (signal.SIG_IGN, None):  # None: a handler not installed from Python
+                saved.append((sig, handler))
+                signal.signal(sig, _defer)
+        yield
+    finally:
+        try:
+            _restore(saved)
+        finally:
+            received = _deferring.pop()
+        if received:
+            signal.raise_signal(received[0])
+
+
+def replay_journal(root: Path, journal: Path) -> int:
+    """Finish the commit that `journal` (`Transaction.commit`) lists, left by a process killed during its
+    renames: rename each staged file still there into place, in the listed order (its files were synced
+    before the journal was written), then remove the journal; returns how many were renamed. Only the
+    holder of the lock of those files calls it (e.g. the next import of the run)."""
+    if not journal.is_file():
+        return 0
+    try:
+        renames = json.loads(journal.read_text())["renames"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise UserError(f"the commit journal {journal} is damaged ({exc}); delete it and import again") from None
+    n = 0
+    for tmp, final in renames:
+        if (root / tmp).exists():
+            os.replace(root / tmp, root / final)
+            n += 1
+    journal.unlink()
+    return n
+
+
 class Transaction:
     """The shards of one unit: staged under temporary names, renamed into place by `commit()`
     (sequences last), or removed by `abort()`. Use as a context manager: an exception aborts."""
@@ -405,6 +562,8 @@ class Transaction:
         self.root = root
         self._staged: list[tuple[str, Path, Path]] = []  # (table, tmp, final)
         self._before_rename: list = []
+        self._synced = 0  # how many of the staged files `sync` fsynced
+        self.left_renamed = False  # a rename happened that no rollback took back (`commit`)
 
     def before_rename(self, fn) -> None:
         """Call `fn()` in `commit()` once every staged file is written and synced, just before the renames
@@ -428,37 +587,69 @@ class Transaction:
         self._staged.append((table, tmp, final))
         pq.write_table(data, tmp, compression=COMPRESSION)
 
-    def commit(self) -> int:
-        """Rename every staged file into place; returns how many shards were committed. An exception
-        between the renames (an error, Ctrl-C) takes the renamed ones back out again, sequences first,
-        and removes the rest: the transaction is wholly committed or not at all (except after a
-        `before_rename` function removed what the unit replaces: an interrupt then finishes the renames). (A
-        process killed outright between two renames cannot undo: the units whose sequences shard was
-        already renamed stay, the others stay invisible, `committed_files`.)"""
+    def sync(self) -> None:
+        """fsync every staged file (once): the slow part of a commit, done before its critical section so
+        that an interrupt then still takes the unit back (`abort`)."""
         try:
-            for _table, tmp, _final in self._staged:
+            for _table, tmp, _final in self._staged[self._synced:]:
                 _fsync(tmp)
-            replaced = [fn() for fn in self._before_rename]  # every one runs (no short-circuit)
+                self._synced += 1
         except BaseException:
             self.abort()
             raise
+
+    def commit(self, journal: Path | None = None) -> int:
+        """Rename every staged file into place; returns how many shards were committed. The renames run
+        with SIGINT/SIGTERM deferred (`signals_deferred`): a signal then lets them finish and takes effect
+        once they are done. An error between the renames (a failing rename, an exception a test injects)
+        takes the renamed ones back out again, sequences first, and removes the rest (except after a
+        `before_rename` function removed what the unit replaces: an interrupt then finishes the renames);
+        `left_renamed` tells whether any renamed shard stayed. `journal`: a file listing the renames, written
+        before the first and removed after the last, so that `replay_journal` finishes a commit whose
+        process was killed outright (SIGKILL) between two renames; without one such a commit leaves the
+        units whose sequences shard was already renamed, the others stay invisible (`committed_files`)."""
+        self.sync()
+        with signals_deferred():
+            try:
+                replaced = [fn() for fn in self._before_rename]  # every one runs (no short-circuit)
+                if journal is not None:
+                    self._write_journal(journal)
+            except BaseException:
+                self.abort()
+                raise
+            try:
+                return self._rename(replaced)
+            finally:  # renamed, or taken back by `_rename`: nothing is left for `replay_journal` to do
+                if journal is not None:
+                    journal.unlink(missing_ok=True)
+
+    def _write_journal(self, journal: Path) -> None:
+        order = {t: i for i, t in enumerate(COMMIT_ORDER)}
+        staged = sorted(self._staged, key=lambda s: order[s[0]])
+        renames = [[str(tmp.relative_to(self.root)), str(final.relative_to(self.root))] for _t, tmp, final in staged]
+        _atomic_bytes(journal, json.dumps({"renames": renames}).encode())
+
+    def _rename(self, replaced: list) -> int:
         order = {t: i for i, t in enumerate(COMMIT_ORDER)}
         done: list[tuple[str, Path]] = []
         staged = sorted(self._staged, key=lambda s: order[s[0]])
         try:
             for table, tmp, final in staged:
+                self.left_renamed = True
                 os.replace(tmp, final)
                 done.append((table, final))
         except BaseException as exc:
             if any(replaced) and isinstance(exc, KeyboardInterrupt):
                 # what this unit replaces is gone already: finish the renames rather than leave neither
                 for _table, tmp, final in staged[len(done):]:
-                    os.replace(tmp, final)
+                    if tmp.exists():
+                        os.replace(tmp, final)
                 self._staged = []
                 raise
             for _table, final in sorted(done, key=lambda d: -order[d[0]]):
                 final.unlink(missing_ok=True)  # (a shard it had replaced under the same name is not restored)
             self.abort()  # the staged files not renamed yet
+            self.left_renamed = False
             raise
         n, self._staged = len(self._staged), []
         return n
@@ -467,7 +658,7 @@ class Transaction:
         for _table, tmp, _final in self._staged:
             if tmp.exists():
                 tmp.unlink()
-        self._staged = []
+        self._staged, self._synced = [], 0
 
     def __enter__(self) -> Self:
         return self
