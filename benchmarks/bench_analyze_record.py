@@ -113,7 +113,7 @@ def build(path: Path, n_tokens: int) -> None:
         for rank, rec in enumerate(recs):
             rng = np.random.default_rng(step * 2 + rank)
             lmu = -rng.exponential(1.0, (B, T)) * (rng.random((B, T)) < 0.5)  # half the tokens near mu = 1
-            lpi = lmu + rng.normal(0.0, 0.03, (B, T))
+            lpi = np.minimum(lmu + rng.normal(0.0, 0.03, (B, T)), 0.0)
             rewards = (rng.random(B) < 0.4).astype(float)
             rec.log_step(step, rng.integers(0, 49152, (B, T)), np.ones((B, T), bool), lmu, lpi,
                          advantages=rewards - rewards.mean(), rewards=rewards)

@@ -64,7 +64,7 @@ def bench_write(shapes, repeat: int, tokenizer) -> list[dict]:
             keep = torch.randint(T // 2, T + 1, (B, 1), generator=g)
             mask = torch.arange(T).unsqueeze(0) < keep
             mu = -torch.rand(B, T, generator=g) * 5
-            pi = mu + torch.randn(B, T, generator=g) * 0.01
+            pi = (mu + torch.randn(B, T, generator=g) * 0.01).clamp(max=0.0)  # a log-prob is <= 0
             adv, rew = torch.randn(B, generator=g), torch.rand(B, generator=g)
             root = Path(tempfile.mkdtemp(prefix="bench-record-"))
             try:

@@ -11,6 +11,30 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+INTERNAL_FIX = ("no log-softmax gives that: an internal error (of mismatch_lab or the engine), not a mistake in "
+                "the input; please report it with the model, engine and dtype")
+"""The end of the error when our own engines or scorers return a log-prob above 0 (record.flat.LOGP_TOLERANCE)."""
+
+
+def check_engine_logprobs(what: str, rows) -> None:
+    """RuntimeError "<what> has N values above 0 (...): <INTERNAL_FIX>" when a finite value of `rows` (lists
+    of log-probs, None for a missing list) exceeds `record.flat.LOGP_TOLERANCE`. NaN and -inf pass."""
+    from itertools import chain
+
+    import numpy as np
+
+    from mismatch_lab.record.flat import check_logprobs
+
+    values = np.fromiter(chain.from_iterable(r for r in rows if r is not None), dtype=np.float64)
+    check_logprobs(values, what, fix=INTERNAL_FIX, error=RuntimeError)
+
+
+def check_samples(samples: list[Sample], label: str) -> list[Sample]:
+    """`samples`, once their log-probs (sampled tokens and top-K) passed `check_engine_logprobs`."""
+    check_engine_logprobs(f"{label} rollout: the sampled tokens' log mu", (s.logps for s in samples))
+    check_engine_logprobs(f"{label} rollout: the top-K log-probs",
+                          (row for s in samples for row in (s.topk_logps or ())))
+    return samples
 
 
 @dataclass

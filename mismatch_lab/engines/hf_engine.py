@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from mismatch_lab.engines.base import TORCH_DTYPES, GenRequest, Sample
+from mismatch_lab.engines.base import TORCH_DTYPES, GenRequest, Sample, check_samples
 
 
 class HFEngine:
@@ -94,7 +94,7 @@ class HFEngine:
             finish = "stop" if toks and toks[-1] == eos else "length"
             samples.append(Sample(token_ids=toks, logps=logps, text=self.tokenizer.decode(toks, skip_special_tokens=True),
                                   finish_reason=finish, topk_ids=tk_ids, topk_logps=tk_lps))
-        return samples
+        return check_samples(samples, f"hf:{self.dtype}")
 
     def load_state_dict(self, state_dict: dict) -> None:
         from mismatch_lab.models import load_state_dict_checked

@@ -19,7 +19,7 @@ import sys
 from collections.abc import Sequence
 from contextlib import contextmanager
 
-from mismatch_lab.engines.base import TORCH_DTYPES, GenRequest, Sample
+from mismatch_lab.engines.base import TORCH_DTYPES, GenRequest, Sample, check_engine_logprobs, check_samples
 
 
 def _import_vllm(verbose: bool = False):
@@ -148,7 +148,7 @@ class VLLMEngine:
                 token_ids=ids, logps=logps, text=c.text, finish_reason=str(c.finish_reason or "length"),
                 topk_ids=tk_ids if top_k > 0 else None, topk_logps=tk_lps if top_k > 0 else None,
             ))
-        return samples
+        return check_samples(samples, f"vllm:{self.dtype}")
 
     # -- prefill scoring (the `vllm:<dtype>` scorer) -----------------------------------------------
     def prefill_logprobs(self, sequences: Sequence[tuple[list[int], list[int]]], *, top_k: int = 0):
@@ -178,6 +178,9 @@ class VLLMEngine:
                     tk_ids.append([int(ids[i]) for i in order])
                     tk_lps.append([float(lps[i]) for i in order])
             results.append((logps, tk_ids if top_k > 0 else None, tk_lps if top_k > 0 else None))
+        check_engine_logprobs(f"vllm:{self.dtype} prefill scorer: log pi", (r[0] for r in results))
+        check_engine_logprobs(f"vllm:{self.dtype} prefill scorer: top-K log-probs",
+                              (row for r in results for row in (r[2] or ())))
         return results
 
     # -- weight sync --------------------------------------------------------------------------------

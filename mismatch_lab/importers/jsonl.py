@@ -18,7 +18,9 @@
 | rollout_topk_logps | list (per token) of lists of numbers  | no       | their log-probs; same shape as rollout_topk_ids (both or neither) |
 | rank               | integer in [0, 4096)                  | no       | the writer (data-parallel rank); default 0                     |
 
-Other fields are ignored. null, NaN and +-Infinity in log-probs are stored as NULL with nonfinite = true.
+Other fields are ignored. null, NaN and +-Infinity in log-probs are stored as NULL with nonfinite = true; a
+log-prob above 0 (beyond the rounding allowance `record.flat.LOGP_TOLERANCE`) at a stored position refuses the
+file, naming the line: probabilities were passed for log-probabilities.
 The bulk path reads the file with Arrow; a file that mixes forms (advantage a number on some lines and a
 list on others, integer prompt_id, 0/1 masks) is read by a slower line-by-line pass, with the same result.
 """
@@ -44,6 +46,7 @@ from mismatch_lab.importers.jsonlines import (
     has_null_items,
     is_all_null,
     lengths,
+    logp_problem,
     number,
     read_batches,
 )
@@ -143,11 +146,33 @@ def _batches(path: Path, row0: int, batch: pa.RecordBatch):
                 bad_row[row_of[bad_tok]] = True
                 p.add(bad_row, message)
     p.raise_first()
+    _check_logprobs(path, row0, batch, n)
     keys = s * MAX_RANKS + r
     for key in np.unique(keys):
         rows = np.flatnonzero(keys == key)
         sub = batch if len(rows) == batch.num_rows else batch.take(pa.array(rows))
         yield _flat(sub, n[rows], int(key // MAX_RANKS), int(key % MAX_RANKS))
+
+
+def _check_logprobs(path: Path, row0: int, batch: pa.RecordBatch, row_len: np.ndarray) -> None:
+    """UserError naming file:line, the field, the count and the largest when log mu or log pi holds a value
+    above 0 (beyond `flat.LOGP_TOLERANCE`) at a stored position: probabilities passed for log-probabilities.
+    Top-K log-probs are checked where the rows are built (`flat.check_batch_logprobs`)."""
+    p = Problems(path, row0)
+    stored = _mask(batch, row_len)
+    for name in ("logp_rollout", "logp_trainer"):
+        logp_problem(p, flat_values(batch.column(name), row_len), stored, row_len, name)
+    p.raise_first()
+
+
+def _mask(batch: pa.RecordBatch, row_len: np.ndarray) -> np.ndarray:
+    """[N] the stored positions: the `mask` of the line, all true where it has none."""
+    mask_col = batch.column("mask")
+    mask = np.ones(int(row_len.sum()), dtype=bool)
+    if not is_all_null(mask_col):
+        values = pc.list_flatten(mask_col).to_numpy(zero_copy_only=False).astype(bool)
+        mask[np.repeat(~mask_col.is_null().to_numpy(zero_copy_only=False), row_len)] = values
+    return mask
 
 
 def _per_token_lists(col: pa.Array, row_len: np.ndarray) -> pa.Array:
@@ -162,14 +187,7 @@ def _per_token_lists(col: pa.Array, row_len: np.ndarray) -> pa.Array:
 
 
 def _flat(batch: pa.RecordBatch, row_len: np.ndarray, step: int, rank: int) -> FlatBatch:
-    N = int(row_len.sum())
-    mask_col = batch.column("mask")
-    if is_all_null(mask_col):
-        mask = np.ones(N, dtype=bool)
-    else:
-        values = pc.list_flatten(mask_col).to_numpy(zero_copy_only=False).astype(bool)
-        mask = np.ones(N, dtype=bool)
-        mask[np.repeat(~mask_col.is_null().to_numpy(zero_copy_only=False), row_len)] = values
+    mask = _mask(batch, row_len)
 
     def optional(name):
         col = batch.column(name)

@@ -25,6 +25,7 @@ import pyarrow.json as pj
 from mismatch_lab.errors import UserError
 from mismatch_lab.importers.base import count_nonblank, line_of_row
 from mismatch_lab.record.arrow import INT_RANGE, bad_token_ids
+from mismatch_lab.record.flat import PROBABILITIES_FIX, describe_excess, logp_excess
 
 BLOCK_SIZE = 64 << 20
 """Bytes of JSON per Arrow block. A line longer than a block is read again with larger blocks."""
@@ -179,6 +180,17 @@ class Problems:
         if self.best is not None:
             r, message = self.best
             raise UserError(f"{self.path}:{line_of_row(self.path, self.row0 + r)}: {message}")
+
+
+def logp_problem(problems: Problems, values: np.ndarray, stored: np.ndarray, row_len: np.ndarray, field: str) -> None:
+    """Add the rows where the log-prob field `field` ([N] `values`, `row_len` [R] per row) holds a value above
+    `flat.LOGP_TOLERANCE` at a `stored` position; the message counts them over the batch."""
+    bad = logp_excess(values, stored)
+    if bad.any():
+        rows = np.zeros(len(row_len), dtype=bool)
+        rows[np.repeat(np.arange(len(row_len)), row_len)[bad]] = True
+        problems.add(rows, f"field {field!r} has {describe_excess(values, bad)} in this line and the "
+                           f"{len(row_len) - 1 - int(np.argmax(rows)):,} read after it: {PROBABILITIES_FIX}")
 
 
 def lengths(col: pa.Array) -> np.ndarray:

@@ -52,6 +52,7 @@ from mismatch_lab.importers.jsonlines import (
     has_null_items,
     is_all_null,
     lengths,
+    logp_problem,
     number,
     read_batches_duckdb,
 )
@@ -229,7 +230,12 @@ def read(src: Source, args):
               "field 'token_ids' or 'position_ids' holds something else than whole numbers")
         p.add(bad_id_rows(token_ids), f"field 'token_ids' must be a list of {ID_TEXT}")
         p.raise_first()
-        yield _batch(batch, n, step, src.rank)
+        flat = _batch(batch, n, step, src.rank)
+        p = Problems(path, row0)  # log-probs above 0 at stored positions: probabilities, not log-probabilities
+        for field, values in (("inference_logprobs", flat.logp_rollout), ("trainer_logprobs", flat.logp_trainer)):
+            logp_problem(p, values, flat.mask, n, field)
+        p.raise_first()
+        yield flat
 
 
 def _batch(batch: pa.RecordBatch, row_len: np.ndarray, step: int, rank: int) -> FlatBatch:

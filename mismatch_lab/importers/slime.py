@@ -41,7 +41,7 @@ from mismatch_lab.errors import UserError
 from mismatch_lab.importers.base import Discovery, Source
 from mismatch_lab.importers.jsonlines import ID_TEXT
 from mismatch_lab.record.arrow import bad_token_ids, describe_bad_ids
-from mismatch_lab.record.flat import FlatBatch
+from mismatch_lab.record.flat import PROBABILITIES_FIX, FlatBatch, describe_excess, logp_excess
 
 FRAMEWORK = "slime"
 HELP = "slime / miles --save-debug-train-data dumps (torch.save pickles; needs --trust-pickle)"
@@ -216,6 +216,7 @@ def _batch(path: Path, samples, step: int, rank: int, raw_reward) -> FlatBatch:
         prompt_lens.append(T - R)
     lens = np.array([len(t) for t in cols["tokens"]], dtype=np.int64)
     cat = {k: (np.concatenate(v) if v else np.zeros(0)) for k, v in cols.items()}
+    _check_logprobs(path, step, cat, lens, topk_lps)
     return FlatBatch(
         step=step, rank=rank, offsets=np.concatenate([[0], np.cumsum(lens)]).astype(np.int64),
         token_ids=cat["tokens"].astype(np.int64), mask=cat["loss_masks"] != 0,
@@ -226,6 +227,24 @@ def _batch(path: Path, samples, step: int, rank: int, raw_reward) -> FlatBatch:
         topk_ids=_lists(topk_ids, pa.int64()) if has["topk"] else None,
         topk_logps=_lists(topk_lps, pa.float64()) if has["topk"] else None,
     )  # fmt: skip
+
+
+def _check_logprobs(path: Path, step: int, cat: dict, lens: np.ndarray, topk_lps: list[np.ndarray]) -> None:
+    """UserError naming the file, rollout, field, count, largest and first sample when a log-prob at a
+    loss-mask position exceeds `flat.LOGP_TOLERANCE`: probabilities passed for log-probabilities."""
+    stored = cat["loss_masks"] != 0
+    n = len(stored)
+    fields = [("rollout_log_probs", cat["rollout_log_probs"], np.arange(n)), ("log_probs", cat["log_probs"], np.arange(n))]
+    if topk_lps:  # [R, K] per sample: each value's token position
+        k = np.concatenate([np.full(a.shape[0], a.shape[1], dtype=np.int64) for a in topk_lps])
+        values = np.concatenate([a.reshape(-1) for a in topk_lps])
+        fields.append(("rollout_topk_log_probs", values, np.repeat(np.arange(n), k)))
+    for name, values, token in fields:
+        bad = logp_excess(values, stored[token])
+        if bad.any():
+            first = np.searchsorted(np.cumsum(lens), token[np.argmax(bad)], side="right")
+            raise UserError(f"{path} (rollout_id {step}): field {name!r} has {describe_excess(values, bad)} at "
+                            f"loss-mask positions, the first in sample {first}: {PROBABILITIES_FIX}")
 
 
 def _lists(arrays: list[np.ndarray], typ: pa.DataType) -> pa.Array:

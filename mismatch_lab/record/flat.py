@@ -8,6 +8,8 @@ padded arrays to `record.tables.step_tables`, which lays them out flat and calls
   `pos` counts from the sample's first stored position, so a hole in the mask keeps its place;
 * log μ (`logp_rollout`) and log π (`logp_trainer`) that are NaN, +-inf or missing are stored as NULL and
   the score row gets `nonfinite = true` (never zeroed);
+* a finite log μ, log π or rollout top-K log-prob above LOGP_TOLERANCE at a stored position is refused
+  (`check_batch_logprobs`, ValueError): no log-softmax gives it, most often it is a probability;
 * a per-token advantage goes to the extra `tokens.advantage` column and its mean over the sample's
   stored tokens to `sequences.advantage`.
 
@@ -34,8 +36,42 @@ from mismatch_lab.record.arrow import (
 from mismatch_lab.store.schema import MAX_LOG_RATIO
 from mismatch_lab.store.writer import SCORE_TYPES, SEQUENCE_TYPES, TOKEN_TYPES
 
+LOGP_TOLERANCE = 2.0**-20
+"""The most a log-prob may exceed 0 (2^-20 ~ 9.5e-7: 8 ULPs of 1.0 in fp32, exact in fp32 and float64).
+An exact log-softmax is <= 0: log pi(t) = x_t - max(x) - log(sum exp(x - max(x))) and the sum is >= 1.
+A computed one exceeds 0 only through that last log rounding below 0: a log or exp evaluated
+approximately (GPU fast-math log2 errs by ~2^-22 absolute near 1), or a sum/division rounded in fp32,
+puts log(sum) a few fp32 ULPs of 1 (2^-23 each) under 0; bf16/fp16 logits are promoted to fp32 for the
+log-softmax, and storing the result in bf16/fp16 keeps its sign and size. So a log-prob above 2^-20 is
+no rounding: most often probabilities passed by mistake (refused with PROBABILITIES_FIX)."""
+PROBABILITIES_FIX = "these look like probabilities: pass log-probabilities, e.g. log(p)"
+
 TOKENS_STORED = "loss-mask (response) tokens only; pos counts from the first one"
 """What a recorded or imported run's `runs.config` says about its tokens (the rule above, in one line)."""
+
+
+def logp_excess(values, stored=None) -> np.ndarray:
+    """bool flags shaped like `values`: a finite log-prob above LOGP_TOLERANCE (at `stored` positions only,
+    when given). NaN and +-inf are not flagged: non-finite values are stored as NULL and counted."""
+    v = np.asarray(values)
+    bad = (v > LOGP_TOLERANCE) & (v != np.inf)  # NaN compares false; float32 compares exactly (2^-20)
+    return bad if stored is None else bad & np.asarray(stored, dtype=bool)
+
+
+def describe_excess(values, bad: np.ndarray) -> str:
+    """'N value(s) above 0 (the largest X)' of the flagged values, for an error message."""
+    n, largest = int(np.count_nonzero(bad)), float(np.max(np.asarray(values)[bad]))
+    return (f"{n:,} value{'s' if n != 1 else ''} above 0 (the largest {largest:.6g}; a log-prob exceeds 0 "
+            f"by rounding only, at most {LOGP_TOLERANCE:.2g})")
+
+
+def check_logprobs(values, what: str, stored=None, *, fix: str = PROBABILITIES_FIX, error: type = ValueError) -> None:
+    """Raise `error` "<what> has N values above 0 (the largest X; ...): <fix>" when a finite log-prob of
+    `values` (at `stored` positions when given) exceeds LOGP_TOLERANCE; vectorised (one pass, ~1 ms per
+    million values)."""
+    bad = logp_excess(values, stored)
+    if bad.any():
+        raise error(f"{what} has {describe_excess(values, bad)}: {fix}")
 
 
 @dataclass
@@ -146,6 +182,7 @@ def batch_tables(run_id: str, f: FlatBatch, first_index: int, scorer: str, texts
     """The sequences, tokens and scores rows of `f`. Its kept samples (those with a stored position, or
     all with keep_empty) get sequence indices `first_index, first_index + 1, ...` of (f.step, f.rank)
     (`record.arrow.seq_ids`), or the seq_id values `ids` [S] when given."""
+    check_batch_logprobs(f)
     L = _layout(f, first_index, ids, keep_empty)
     n, K = len(L.sel), len(L.kept)
     keys = {"run_id": repeat(run_id, n, pa.string()), "seq_id": pa.array(L.ids[L.row], type=pa.int64()),
@@ -159,6 +196,17 @@ def batch_tables(run_id: str, f: FlatBatch, first_index: int, scorer: str, texts
         "scores": _dictionary(contract_table(sc, SCORE_TYPES), {"run_id": run_id, "scorer": scorer}),
     }
     return tables, stats
+
+
+def check_batch_logprobs(f: FlatBatch) -> None:
+    """ValueError "step S, rank R: <column> has N values above 0 ..." when a log-prob of `f` at a stored
+    position exceeds LOGP_TOLERANCE (`check_logprobs`); the rule every writer of rows meets here."""
+    stored = np.asarray(f.mask, dtype=bool)
+    for name, values in (("logp_rollout", f.logp_rollout), ("logp_trainer", f.logp_trainer)):
+        check_logprobs(values, f"step {f.step}, rank {f.rank}: {name}", stored)
+    if f.topk_logps is not None and len(f.topk_logps):
+        inner = pc.list_flatten(f.topk_logps.filter(pa.array(stored)))
+        check_logprobs(inner.to_numpy(zero_copy_only=False), f"step {f.step}, rank {f.rank}: rollout_topk_logps")
 
 
 def _token_columns(f: FlatBatch, L: _Layout, keys: dict, texts: TextLookup | None) -> tuple[dict, np.ndarray | None]:

@@ -29,7 +29,7 @@ import numpy as np
 
 from mismatch_lab.errors import UserError
 from mismatch_lab.record.arrow import INT_RANGE, STEP_END
-from mismatch_lab.record.flat import TOKENS_STORED
+from mismatch_lab.record.flat import TOKENS_STORED, check_logprobs
 from mismatch_lab.record.tables import (
     MAX_RANKS,
     StepArrays,
@@ -125,6 +125,18 @@ def to_numpy(*tensors):
             chunk = chunk.view(np.float64)
         out[i] = chunk
     return out
+
+
+def check_step_logprobs(step: int, a: StepArrays) -> None:
+    """UserError "log_step(S): <argument> has N values above 0 (the largest X; ...): these look like
+    probabilities ..." when log mu, log pi or a rollout top-K log-prob at a stored position (mask true;
+    top-K entries not padded with id -1) exceeds `flat.LOGP_TOLERANCE`. NaN and +-inf pass (stored NULL)."""
+    stored = np.asarray(a.mask, dtype=bool)
+    for name, values in (("logp_rollout", a.logp_rollout), ("logp_trainer", a.logp_trainer)):
+        check_logprobs(values, f"log_step({step}): {name}", stored, error=UserError)
+    if a.rollout_topk_logps is not None:
+        k_stored = stored[..., None] & (np.asarray(a.rollout_topk_ids) != -1)
+        check_logprobs(a.rollout_topk_logps, f"log_step({step}): rollout_topk_logps", k_stored, error=UserError)
 
 
 def rank_lock(root: Path, run_id: str, rank: int) -> shards.RunLock:
@@ -239,6 +251,7 @@ class Recorder:
             a.check()
         except ValueError as exc:
             raise UserError(f"log_step({step}): {exc}") from exc
+        check_step_logprobs(step, a)  # before anything is written: a refused call writes nothing
         if self.max_seqs is not None:  # the first M sequences of the step, over this process's calls
             a = a.first_rows(max(self.max_seqs - self._next_index[step], 0))
             if a.mask.shape[0] == 0 and not values:  # past the cap: nothing to store

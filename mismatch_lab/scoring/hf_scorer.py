@@ -194,7 +194,10 @@ class HFScorer:
         out = _Assembly(items, self.dtypes)
         for k, idx in enumerate(batches):  # phase 2: the vocabulary projection of each micro-batch
             out.add(idx, self._stats(items, idx, {d: hidden[d][k] for d in self.dtypes}))
-        return out.finish()
+        scored = out.finish()
+        for name, st in scored.items():
+            check_scored(name, st)
+        return scored
 
     def _hidden_states(self, dtype: str, items, batches) -> list:
         """Final hidden states [n_rows, H] of the rows predicting response tokens, per micro-batch, at `dtype`."""
@@ -248,6 +251,22 @@ class HFScorer:
         self.models.clear()
         self.heads = {}
         _empty_cache(self.device)
+
+
+def check_scored(name: str, st: ScoredTokens) -> None:
+    """RuntimeError (`engines.base.INTERNAL_FIX`) when a scorer's log pi, top-K log-probs or log pi at the
+    rollout's / reference's top-K ids exceeds `record.flat.LOGP_TOLERANCE`: a log-softmax cannot give it."""
+    from mismatch_lab.engines.base import INTERNAL_FIX
+    from mismatch_lab.record.flat import check_logprobs
+
+    check_logprobs(st.logp, f"scorer {name}: log pi", fix=INTERNAL_FIX, error=RuntimeError)
+    for what, r in (("top-K log-probs", st.topk_logps), ("log pi at the rollout's top-K ids", st.logps_at_rollout_topk),
+                    ("log pi at the reference's top-K ids", st.logps_at_ref_topk)):
+        if r is not None and r.values.ndim == 2:
+            inside = np.arange(r.values.shape[1]) < r.lens[:, None]  # the padding is outside every row
+            if r.valid is not None:
+                inside &= r.valid[:, None]
+            check_logprobs(r.values, f"scorer {name}: {what}", inside, fix=INTERNAL_FIX, error=RuntimeError)
 
 
 def _empty_cache(device: str) -> None:

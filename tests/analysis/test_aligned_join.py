@@ -34,7 +34,7 @@ def _record(path: Path) -> None:
             rng = np.random.default_rng(10 * step + i)
             mask = np.arange(T)[None, :] < rng.integers(1, T + 1, (B, 1))
             lmu = -rng.exponential(1.0, (B, T))
-            lpi = lmu + rng.normal(0.0, 0.2, (B, T))
+            lpi = np.minimum(lmu + rng.normal(0.0, 0.2, (B, T)), 0.0)
             lpi[0, 0] = np.nan if step == 1 else lpi[0, 0]
             rewards = (rng.random(B) < 0.5).astype(float)
             topk = {}
@@ -170,7 +170,7 @@ def test_a_store_of_several_scorers_is_joined_on_keys(tmp_path, monkeypatch):
         rec = Recorder(path, run, framework="trl", rollout_engine="vllm", trainer_dtype=dtype)
         rng = np.random.default_rng(1)
         lmu = -rng.exponential(1.0, (B, T))
-        rec.log_step(0, rng.integers(0, 100, (B, T)), np.ones((B, T), bool), lmu, lmu + 0.1)
+        rec.log_step(0, rng.integers(0, 100, (B, T)), np.ones((B, T), bool), lmu, np.minimum(lmu + 0.1, 0.0))
         rec.close()
     assert aligned.parts(open_store(path))  # offered by the store ...
     calls = _compare(path, Filters(), monkeypatch)
@@ -198,8 +198,8 @@ def test_an_empty_unit_keeps_the_slices(tmp_path, monkeypatch):
     rec = Recorder(path, "a", framework="trl", rollout_engine="vllm", trainer_dtype="fp32")
     rng = np.random.default_rng(2)
     lmu = -rng.exponential(1.0, (B, T))
-    rec.log_step(0, rng.integers(0, 100, (B, T)), np.ones((B, T), bool), lmu, lmu + 0.1)
-    rec.log_step(1, rng.integers(0, 100, (B, T)), np.zeros((B, T), bool), lmu, lmu + 0.1)  # no response token
+    rec.log_step(0, rng.integers(0, 100, (B, T)), np.ones((B, T), bool), lmu, np.minimum(lmu + 0.1, 0.0))
+    rec.log_step(1, rng.integers(0, 100, (B, T)), np.zeros((B, T), bool), lmu, np.minimum(lmu + 0.1, 0.0))  # no response token
     rec.log_step(2, rng.integers(0, 100, (B, T)), np.ones((B, T), bool), lmu, lmu - 0.1)
     rec.close()
     assert aligned.parts(open_store(path))

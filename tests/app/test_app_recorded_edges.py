@@ -24,7 +24,7 @@ def store(tmp_path_factory):
             mask = np.ones((B, T), bool)
             mask[0] = False  # sequence 0 of each step: nothing to train on
             lmu = -rng.exponential(1.0, (B, T))
-            lpi = lmu + rng.normal(0, 0.5, (B, T))  # wide: many tokens leave the clip range
+            lpi = np.minimum(lmu + rng.normal(0, 0.5, (B, T)), 0.0)  # wide: many tokens leave the clip range
             lpi[1] = np.nan  # sequence 1: every row non-finite
             rec.log_step(step, None, mask, lmu, lpi, advantages=rng.normal(size=(B, T)))
     return path

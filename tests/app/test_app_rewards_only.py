@@ -28,7 +28,7 @@ def store(tmp_path_factory, embedded_model):
         for step in range(STEPS):
             ids = np.where(rng.random((B, T)) < 0.5, space, rng.integers(100, 5000, (B, T)))
             lmu = -rng.exponential(0.5, (B, T))
-            lpi = lmu + rng.normal(0, 0.4, (B, T))  # many tokens leave the clip range
+            lpi = np.minimum(lmu + rng.normal(0, 0.4, (B, T)), 0.0)  # many tokens leave the clip range
             r = rng.integers(0, 2, B).astype(float)
             groups = [f"g{step}-{i // 4}" for i in range(B)]
             rec.log_step(step, ids, np.ones((B, T), bool), lmu, lpi, rewards=r, group_ids=groups)

@@ -154,7 +154,7 @@ def test_skipped_prompts_are_not_measured_without_a_collect_run(tmp_path, capsys
     with Recorder(tmp_path / "s", "r", framework="trl", rollout_engine="vllm") as rec:
         for step in range(2):
             lmu = -rng.exponential(1.0, (4, 8))
-            rec.log_step(step, rng.integers(0, 50, (4, 8)), np.ones((4, 8), bool), lmu, lmu + 0.01)
+            rec.log_step(step, rng.integers(0, 50, (4, 8)), np.ones((4, 8), bool), lmu, np.minimum(lmu + 0.01, 0.0))
     assert main(["doctor", "--db", str(tmp_path / "s"), "--json", str(tmp_path / "d.json")]) == 0
     doc = json.loads((tmp_path / "d.json").read_text())
     assert "skipped_prompts" not in {c["check"] for c in doc["checks"]}

@@ -194,7 +194,7 @@ def test_clipping_figure_of_a_run_recorded_without_token_ids_draws_its_categorie
 
     rng = np.random.default_rng(0)
     lmu = -rng.uniform(0.05, 3.0, (8, 12))
-    lpi = lmu + rng.normal(0, 0.4, lmu.shape)  # |log r| > 0.22 often: many tokens ratio-clipped
+    lpi = np.minimum(lmu + rng.normal(0, 0.4, lmu.shape), 0.0)  # |log r| > 0.22 often: many tokens ratio-clipped
     with Recorder(tmp_path / "s", "noids", framework="verl", rollout_engine="vllm", trainer_dtype="bf16") as rec:
         rec.log_step(1, None, np.ones_like(lmu, dtype=bool), lmu, lpi, advantages=rng.normal(size=8))
     [(_stem, fig)] = fig4_clipping(open_store(tmp_path / "s"))

@@ -16,7 +16,7 @@ def _recorded(path, nonfinite_steps=(), steps=5, lines=1):
         with Recorder(path, f"run{line}", framework="verl", rollout_engine="vllm", rollout_dtype="bf16") as rec:
             for step in range(steps):
                 lmu = -rng.exponential(1.0, (3, 6))
-                lpi = lmu + rng.normal(0, 0.05 * (step + 1), (3, 6))
+                lpi = np.minimum(lmu + rng.normal(0, 0.05 * (step + 1), (3, 6)), 0.0)
                 if step in nonfinite_steps or line > 0:
                     lpi[:] = np.nan
                 rec.log_step(step, rng.integers(0, 100, (3, 6)), np.ones((3, 6), bool), lmu, lpi)

@@ -37,7 +37,7 @@ def store(tmp_path_factory):
             for step in range(4):
                 lmu = -rng.exponential(0.7, (6, 9))
                 rec.log_step(step, rng.integers(100, 4000, (6, 9)), np.ones((6, 9), bool), lmu,
-                             lmu + rng.normal(0, 0.1 + 0.05 * step, (6, 9)), advantages=rng.normal(size=6))
+                             np.minimum(lmu + rng.normal(0, 0.1 + 0.05 * step, (6, 9)), 0.0), advantages=rng.normal(size=6))
     return path
 
 

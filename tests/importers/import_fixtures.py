@@ -32,7 +32,7 @@ def prime_sample(rng, prompt_len: int, response_len: int, *, reward: float, adv:
     T = prompt_len + response_len
     mask = [False] * prompt_len + [True] * response_len
     mu = [0.0] * prompt_len + [float(-rng.exponential(0.7)) for _ in range(response_len)]
-    pi = [0.0 if i < prompt_len else mu[i] + float(rng.normal(0, 0.05)) for i in range(T)]
+    pi = [0.0 if i < prompt_len else min(mu[i] + float(rng.normal(0, 0.05)), 0.0) for i in range(T)]  # log pi <= 0
     for i in nan_mu:
         mu[prompt_len + i] = float("nan")
     for i in nan_pi:
@@ -214,7 +214,7 @@ def slime_payload(rollout_id: int, rank: int = 0, seed: int = 0, *, topk: int = 
             "response_lengths": R, "total_lengths": P + R, "rewards": float(rng.normal()), "truncated": 0,
             "loss_masks": torch.tensor(mask, dtype=torch.int),
             "rollout_log_probs": torch.tensor(mu, dtype=torch.float32),
-            "log_probs": torch.tensor(mu + rng.normal(0, 0.03, R), dtype=torch.float32),
+            "log_probs": torch.tensor(np.minimum(mu + rng.normal(0, 0.03, R), 0.0), dtype=torch.float32),
             "advantages": torch.tensor(np.full(R, rng.normal()), dtype=torch.float32),
             "returns": torch.tensor(np.zeros(R), dtype=torch.float32),
             "entropy": torch.tensor(rng.exponential(1.0, R), dtype=torch.float32),
@@ -262,7 +262,7 @@ def jsonl_lines(seed: int = 0, n: int = 6, *, adv_form: str = "list") -> list[di
         T = int(rng.integers(3, 9))
         mu = [float(-rng.exponential(0.5)) for _ in range(T)]
         rec = {"step": i % 2, "rank": (i // 2) % 2, "token_ids": [int(t) for t in rng.integers(0, 50000, T)],
-               "logp_rollout": mu, "logp_trainer": [m + float(rng.normal(0, 0.02)) for m in mu],
+               "logp_rollout": mu, "logp_trainer": [min(m + float(rng.normal(0, 0.02)), 0.0) for m in mu],
                "reward": float(rng.integers(0, 2)), "prompt_id": f"p{i // 3}",
                "entropy": [float(rng.exponential(1.0)) for _ in range(T)]}
         if i % 3 == 1:

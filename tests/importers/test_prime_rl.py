@@ -281,7 +281,7 @@ def test_recorded_and_imported_runs_share_a_store(cli, export, tmp_path):
     rng = np.random.default_rng(0)
     with Recorder(store, "recorded", framework="trl", rollout_engine="vllm", trainer_dtype="bf16") as rec:
         mu = -rng.exponential(0.5, (3, 5))
-        rec.log_step(0, rng.integers(0, 100, (3, 5)), np.ones((3, 5), bool), mu, mu + 0.01, advantages=np.ones(3))
+        rec.log_step(0, rng.integers(0, 100, (3, 5)), np.ones((3, 5), bool), mu, np.minimum(mu + 0.01, 0.0), advantages=np.ones(3))
     assert cli("import", "prime-rl", export, "--out", store, "--rollout-engine", "vllm", "--trainer-dtype", "bf16")[0] == 0
     con = open_store(store)
     assert dict(con.execute("SELECT run_id, count(*) FROM tokens GROUP BY run_id").fetchall()) == {

@@ -30,7 +30,7 @@ def recorded(tmp_path_factory):
         for rank, rec in enumerate(recs):
             rng = np.random.default_rng(10 * step + rank)
             mask = rng.random((B, T)) < 0.8
-            lmu = np.log(rng.uniform(0.05, 1.0, (B, T)))
+            lmu = np.log(rng.uniform(0.05, 0.9, (B, T)))  # <= log 0.9: log pi = log mu +- 0.08 stays <= 0
             lpi = lmu + rng.choice([-1, 1], (B, T)) * NOISE[step]
             rewards = (rng.random(B) < 0.5).astype(float)
             rec.log_step(step, rng.integers(0, 1000, (B, T)), mask, lmu, lpi, advantages=rewards - rewards.mean(),

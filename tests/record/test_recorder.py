@@ -28,7 +28,7 @@ def _batch(seed: int, B: int = 5, T: int = 7, K: int = 3):
     mask[1, 3:] = True
     mask[1, 5] = False  # a hole (tool output) keeps its place
     lmu = -torch.rand(B, T, generator=g) * 3
-    lpi = lmu + 0.05 * torch.randn(B, T, generator=g)
+    lpi = (lmu + 0.05 * torch.randn(B, T, generator=g)).clamp(max=0.0)  # a log-prob is <= 0
     return ids, mask, lmu, lpi, torch.randint(0, 500, (B, T, K), generator=g), -torch.rand(B, T, K, generator=g)
 
 

@@ -25,7 +25,7 @@ def _batch(B: int = 4, T: int = 6, seed: int = 0):
     ids = torch.randint(0, 500, (B, T), generator=g)
     mask = torch.ones(B, T, dtype=torch.bool)
     lmu = -torch.rand(B, T, generator=g)
-    return ids, mask, lmu, lmu + 0.01
+    return ids, mask, lmu, (lmu + 0.01).clamp(max=0.0)  # a log-prob is <= 0
 
 
 def _count(store, sql="SELECT count(*) FROM tokens"):
