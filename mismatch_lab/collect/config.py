@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, fields
 from mismatch_lab import DTYPES
 from mismatch_lab.errors import UserError
 from mismatch_lab.scoring import SCORE_BATCH_TOKENS, SCORE_CHUNK_ROWS
-from mismatch_lab.studyfile import apply_study
+from mismatch_lab.studyfile import apply_study, study_schema
 
 CHUNK_TOKENS = {"cpu": 4096, "cuda": 262144}  # token budget of a chunk by device kind (--chunk-tokens 0)
 RUN_LOCAL = ("db", "device", "rollout_dtypes", "gpu_memory_utilization", "memory_plan")
@@ -86,6 +86,11 @@ class CollectConfig:
         return self.chunk_tokens or CHUNK_TOKENS["cuda" if device.startswith("cuda") else "cpu"]
 
 
+PATH_KEYS = ("prompts", "db")
+"""Study-file keys that are paths, relative to the study file."""
+STUDY_SCHEMA = study_schema(CollectConfig, PATH_KEYS, examples={"device": '"cuda"', "gpu_memory_utilization": "0.9"})
+"""key -> the type its study-file value must have (from the field annotations), checked once when read."""
+
 INTS = ("samples", "max_tokens", "min_tokens", "top_k", "seed", "chunk_tokens", "chunk_prompts", "gen_batch", "score_chunk_rows",
         "score_batch_tokens", "max_model_len", "tensor_parallel_size", "data_parallel_size")
 
@@ -101,7 +106,7 @@ def load_config(args) -> CollectConfig:
     cfg = CollectConfig()
     names = {f.name for f in fields(CollectConfig)}
     if args.study:
-        apply_study(cfg, args.study, "collect", names, path_keys=("prompts", "db"))
+        apply_study(cfg, args.study, "collect", names, path_keys=PATH_KEYS, schema=STUDY_SCHEMA)
     for k in names - {"study"}:  # --study is the study file; the study's name is its folder's (apply_study)
         v = getattr(args, k, None)
         if v is not None:
