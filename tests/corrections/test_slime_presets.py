@@ -1,0 +1,80 @@
+"""The slime/* presets against a transcription of slime's policy loss (tests/corrections/frameworks_reference/
+slime.py, read at THUDM/slime @624b824a; slime itself cannot be installed here) on the same float64 tokens:
+real store tokens plus extreme ones. Loss, gradient wrt log π, keep mask, weight and every reported metric at
+1e-9 relative — except the fractions slime accumulates in float32 (bool and int metrics over torch.int masks),
+compared at B·2⁻²⁴ relative, B the number of float32 terms slime sums.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from frameworks_reference import slime as ref  # noqa: E402
+from frameworks_reference.inputs import fresh, rel_close, rows, tokens  # noqa: E402
+
+from mismatch_lab.corrections.frameworks.slime import DEFAULTS, MIS_YAML, PRESETS  # noqa: E402
+
+FLOAT32_SUMS = ("pg_clipfrac", "tis_clipfrac", "opsm_clipfrac")
+
+
+@pytest.fixture(scope="module")
+def t():
+    return tokens(rows())
+
+
+def _reference(t, settings):
+    leaf = fresh(t).logp
+    lengths = t.mask.sum(-1).tolist()
+
+    def split(x):
+        return [x[b, :n] for b, n in enumerate(lengths)]
+
+    masks = [torch.ones(n, dtype=torch.int) for n in lengths]
+    loss, metrics, weight, keep = ref.slime_step(dict(settings), split(leaf), split(t.logp_old),
+                                                 split(t.logp_rollout), split(t.advantages), masks)
+    loss.backward()
+    grid_w, grid_k = torch.zeros_like(t.logp_old), torch.zeros_like(t.mask)
+    grid_w[t.mask], grid_k[t.mask] = weight, keep
+    return loss.item(), leaf.grad, grid_k, grid_w, metrics
+
+
+def _float32_sum(name: str) -> bool:
+    return name in FLOAT32_SUMS or (name.startswith("mis_") and "fraction" in name)
+
+
+@pytest.mark.parametrize("preset", PRESETS, ids=[p.name for p in PRESETS])
+def test_each_slime_preset_matches_the_transcribed_loss_weights_masks_gradient_and_metrics(preset, t):
+    loss, grad, keep, weight, metrics = _reference(t, preset.settings)
+    ours_t = fresh(t)
+    ours = preset(ours_t)
+    ours.loss.backward()
+    assert rel_close(ours.loss.item(), loss), (ours.loss.item(), loss)
+    torch.testing.assert_close(ours_t.logp.grad, grad, rtol=1e-9, atol=0.0)
+    assert torch.equal(ours.keep, keep)
+    torch.testing.assert_close(ours.weight, weight, rtol=1e-9, atol=0.0)
+    assert sorted(ours.metrics) == sorted(metrics)
+    float32_rtol = t.mask.shape[0] * 2.0 ** -24
+    for name, value in metrics.items():
+        assert rel_close(ours.metrics[name], value, float32_rtol if _float32_sum(name) else 1e-9), \
+            (name, ours.metrics[name], value)
+
+
+def test_the_slime_presets_carry_slimes_argument_defaults_and_the_mis_yaml():
+    for key, value in DEFAULTS.items():
+        theirs = ref.ARGUMENT_DEFAULTS[key]
+        assert (ref.ARGUMENT_DEFAULTS["eps_clip"] if key == "eps_clip_high" and theirs is None else theirs) == value
+    assert [p.name for p in PRESETS if p.default] == ["slime/ppo"] and dict(PRESETS[0].settings) == DEFAULTS
+    mis = next(p for p in PRESETS if p.name == "slime/mis")
+    assert {k: mis.settings[k] for k in ref.MIS_YAML} == ref.MIS_YAML == {**MIS_YAML, "use_tis": True}
+
+
+def test_the_inputs_reach_the_bands_the_slime_presets_read(t):
+    by_name = {p.name: p for p in PRESETS}
+    ice = by_name["slime/icepop"](fresh(t))
+    assert (t.mask & ~ice.keep).any()
+    assert by_name["slime/opsm"](fresh(t)).metrics["opsm_clipfrac"] > 0
+    assert by_name["slime/tis"](fresh(t)).metrics["tis_clipfrac"] > 0
+    mis = by_name["slime/mis"](fresh(t)).metrics
+    assert mis["mis_rs_catastrophic_seq_fraction"] > 0 and mis["mis_rs_mask_fraction_low"] > 0
