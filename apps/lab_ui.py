@@ -45,7 +45,7 @@ import pandas as pd
 import streamlit as st
 
 from mismatch_lab.analysis import browse, clipping, definitions, precision, volatility
-from mismatch_lab.doctor.report import doctor_table
+from mismatch_lab.doctor.report import doctor_view
 from mismatch_lab.errors import UserError
 from mismatch_lab.store.reader import open_store
 from mismatch_lab.store.shards import is_shard_store
@@ -388,7 +388,7 @@ def _warm(path: str) -> None:
     """Compute what the pages show first, most likely first: the overview, then each pair's pages."""
     _call(path, browse.list_runs)
     precision_of(path)
-    _call(path, doctor_table)  # the Overview's Doctor section (its own precision pass over the same rows)
+    _call(path, doctor_view)  # the Overview's verdicts and Doctor section (its own precision pass over the same rows)
     pairs = _call(path, browse.list_pairs)
     _call(path, browse.list_categories)
     for i, pair in enumerate(pairs.itertuples()):

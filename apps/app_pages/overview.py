@@ -1,12 +1,27 @@
-"""Overview: the studies the app can open, the runs of the open one, its precision table and the doctor's verdicts."""
+"""Overview: the doctor's verdict per pair and what to change first, then the studies the app can open, the
+runs of the open one, its precision table and every check of the doctor."""
 
 import lab_ui
 import streamlit as st
 
 from mismatch_lab.analysis import browse
-from mismatch_lab.doctor.report import doctor_table
+from mismatch_lab.doctor.report import VERDICT_KEY, doctor_view
+
+BOX = {"ok": st.success, "warn": st.warning, "fail": st.error}  # a pair's verdict, in the box of its colour
 
 st.title("Overview")
+
+doctor = lab_ui.query(doctor_view)
+if doctor.verdicts:
+    for v in doctor.verdicts:
+        BOX[v["verdict"]](f"**{v['pair']}**: {v['verdict']} · {v['detail']}".replace("|", "\\|"))
+    st.caption(f"The doctor (`mismatch-lab doctor`), per (rollout μ, scorer π) pair: {VERDICT_KEY}. "
+               "Every check, band and source: the Doctor section below and docs/doctor.md.")
+else:
+    st.info("No verdict yet: the doctor needs a rollout and at least one scorer of its tokens.")
+if doctor.recommendations:
+    st.markdown("**What to change**\n\n" + "\n".join(
+        f"- **{a['advice']}**: {a['because']}".replace("|", "\\|") for a in doctor.recommendations))
 
 st.subheader("Studies")
 st.dataframe(
@@ -14,7 +29,6 @@ st.dataframe(
 )
 st.caption("Pick another study in the sidebar.")
 
-path = lab_ui.store()
 runs = lab_ui.query(browse.list_runs)
 st.subheader("Runs")
 if runs.empty:
@@ -69,7 +83,7 @@ with st.expander("Doctor: verdicts against the frameworks' published bands", exp
         "where the band comes from (verl's FAQ, prime-rl's acceptance band, slime's CI, bitwise on-policy, verl's "
         "illustrative weight-health levels); verdict ok / warn / fail. Every check, band and definition: docs/doctor.md."
     )
-    verdicts = lab_ui.query(doctor_table)
+    verdicts = doctor.table
     if verdicts.empty:
         st.info("No check could be measured: the doctor needs a rollout and at least one scorer.")
     else:

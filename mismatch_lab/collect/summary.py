@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 
 def fill_rewards(con, run_ids: list[str], prompts: list[dict]) -> int:
     """Set `sequences.reward` (1/0, last number in the reply vs the prompt's numeric "answer") where unset.
@@ -33,31 +31,56 @@ def fill_rewards(con, run_ids: list[str], prompts: list[dict]) -> int:
 
 
 def print_summary(con, run_ids: list[str], cfg) -> None:
-    """The one-screen summary: per (rollout, scorer) pair the precision figures of these runs."""
+    """The one-screen summary: per (rollout, scorer) pair the key numbers of these runs (the table `analyze`
+    prints, analysis/summary.py), the doctor's one-line verdict per pair and what to change (doctor/report.py,
+    over the whole store: what `doctor --db` prints), and the next commands, printed so that they run as shown."""
     from mismatch_lab.analysis.precision import precision_table
+    from mismatch_lab.analysis.summary import LEGEND, pair_table
 
-    df = precision_table(con, run_ids=run_ids)
-    cols = {"rollout": "rollout", "scorer": "scorer", "n_tokens": "tokens", "abs_dp_mean": "mean|Δp|",
-            "abs_dp_max": "max|Δp|", "abs_dlogp_mean": "mean|Δlogp|", "kl_k3": "KL k3",
-            "frac_ratio_outside_clip": "r∉[0.8,1.28]", "n_nonfinite": "non-finite"}
-    show = df[[c for c in cols if c in df.columns]].rename(columns=cols)
-    n_seq, n_tok = con.execute(
-        f"SELECT count(*), coalesce(sum(response_len), 0) FROM sequences WHERE run_id IN ({','.join('?' * len(run_ids))})",
-        run_ids).fetchone()
-    n_skip = con.execute(
-        f"SELECT count(*) FROM skipped_prompts WHERE run_id IN ({','.join('?' * len(run_ids))})", run_ids).fetchone()[0]
+    marks = ",".join("?" * len(run_ids))
+    n_seq, n_tok = con.execute(f"SELECT count(*), coalesce(sum(response_len), 0) FROM sequences "
+                               f"WHERE run_id IN ({marks})", run_ids).fetchone()
+    n_skip = con.execute(f"SELECT count(*) FROM skipped_prompts WHERE run_id IN ({marks})", run_ids).fetchone()[0]
     print()
-    print(f"study {cfg.study}: {len(run_ids)} run(s), {n_seq} sequences, {n_tok} generated tokens -> {cfg.db}")
-    print("per token, sampled token only; Δp = π − μ in probability space, Δlogp = log π − log μ, r = π/μ,")
-    print("KL k3 = mean(r − log r − 1) (estimates KL(μ‖π) from samples of μ); non-finite rows counted, excluded from means")
-    with _pd_options():
-        print(show.to_string(index=False, float_format=lambda x: f"{x:.3g}"))
+    print(f"study {cfg.study}: {len(run_ids)} run(s), {n_seq:,} sequences, {n_tok:,} generated tokens -> {cfg.db}")
+    print(LEGEND)
+    print("\n".join(pair_table(precision_table(con, run_ids=run_ids))))
     if n_skip:
         print(f"skipped prompts (longer than the context): {n_skip} (listed in table skipped_prompts)")
-    print(f"next: mismatch-lab analyze --db {cfg.db}   |   mismatch-lab app --study {Path(cfg.db).parent}")
+    print("\n".join(["", *doctor_lines(con)]))
+    print("\n".join(["", *next_lines(cfg.db)]))
 
 
-def _pd_options():
-    import pandas as pd
+MAX_ADVICE = 3
+"""The most recommendations the summary prints in full; `doctor` prints every one."""
 
-    return pd.option_context("display.width", 200, "display.max_columns", 20)
+
+def doctor_lines(con) -> list[str]:
+    """The doctor's verdict per pair and its advice, as `doctor` defines them (doctor/report.py)."""
+    from mismatch_lab.analysis.summary import WIDTH
+    from mismatch_lab.doctor.report import VERDICT_KEY, advice_lines, diagnose, verdict_lines
+
+    dx = diagnose(con)
+    verdicts = verdict_lines(dx)
+    if not verdicts:
+        return ["doctor: no (rollout, scorer) pair with scored tokens to judge"]
+    lines = ["doctor, per pair against the frameworks' published bands (docs/doctor.md):", f"  {VERDICT_KEY}"]
+    lines += [f"  {v}" for v in verdicts]
+    advice = advice_lines(dx, WIDTH, limit=MAX_ADVICE)
+    return lines + (["what to change:", *advice] if advice else [])
+
+
+NEXT = (("doctor", "--db", "every check, band and source; what to change; a CI gate"),
+        ("analyze", "--db", "every analysis (--table NAME, --all, --json FILE)"),
+        ("app", "--study", "the app, down to a single token"))
+"""The commands the summary ends with: (subcommand, the option naming the store, what it gives)."""
+
+
+def next_lines(db) -> list[str]:
+    """`next:` and one command per line, each runnable as printed from the directory collect ran in: the
+    store is named by the DuckDB file itself, which every one of them opens."""
+    from mismatch_lab.analysis.summary import command
+
+    cmds = [command(sub, opt, db) for sub, opt, _ in NEXT]
+    width = max(map(len, cmds))
+    return ["next:", *(f"  {c:<{width}}  # {why}" for c, (_, _, why) in zip(cmds, NEXT))]

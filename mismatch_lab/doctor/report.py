@@ -1,5 +1,7 @@
-"""`diagnose(con)` -> Diagnosis (checks, what was not measured, recommendations), and its three faces:
-the one-screen text report, the JSON document (`--json`), and the app's table (`doctor_table`).
+"""`diagnose(con)` -> Diagnosis (checks, what was not measured, recommendations), and its faces: the
+one-screen text report, the JSON document (`--json`), the app's table (`doctor_table`), and the one-line
+verdict per pair (`pair_verdicts`, `verdict_lines`) with the advice lines (`advice_lines`) that the text
+report, the end of `collect` and the app's Overview all print (`doctor_view` bundles them for the app).
 
 JSON: {"store", "gate", "gate_exit", "checks": [{pair, check, value, band, source, verdict, run_id, title,
 metric, gates, detail}], "recommendations": [{rule, advice, because, numbers}], "not_measured": [{check,
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import textwrap
 from dataclasses import dataclass, field
 
 import duckdb
@@ -21,12 +24,21 @@ from mismatch_lab.doctor.measure import Measurements
 from mismatch_lab.doctor.recommend import recommendations
 from mismatch_lab.doctor.verdicts import gate_status, worst
 
-TABLE_COLUMNS = ["pair", "check", "value", "band", "source", "verdict", "detail"]
+TABLE_COLUMNS = ["pair", "check", "verdict", "value", "band", "source", "detail"]
 GATED = ("abs_dp_mean", "k3_kl", "seq_abs_dlogp", "bitwise")
 ALWAYS_SHOWN = ("growth", "batch_tokens", "batch_logp")
 """Shown under findings whatever their verdict; the other non-matrix checks only when not ok."""
 """The framework checks the pair matrix of the text report shows one column each; the rest are folded into
 'health' (the worst of the weight-health and non-finite verdicts)."""
+TOLERANCE = ("abs_dp_mean", "k3_kl", "seq_abs_dlogp")
+"""A pair's verdict is the worst of these framework tolerance checks (verl, prime-rl, slime) and its health.
+The bitwise check is shown beside it, not in it: any two kernels that are not bitwise identical fail it,
+which only bitwise on-policy training asks for."""
+SHORT = {"abs_dp_mean": "mean|Δp|", "k3_kl": "k3", "seq_abs_dlogp": "seq|Δlogp|"}
+BITWISE = {"ok": "bitwise equal", "fail": "bitwise differs"}
+"""How a verdict line words the bitwise check (log π = log μ exactly on every row, or not)."""
+VERDICT_KEY = "verdict = the worst of mean|Δp| (verl's band), k3 (prime-rl's), seq|Δlogp| (slime's) and health"
+"""The line that explains the verdict lines, printed above them."""
 
 
 @dataclass
@@ -50,9 +62,12 @@ def diagnose(con: duckdb.DuckDBPyConnection, store: str = "", gate: str | None =
 
 
 def doctor_table(con: duckdb.DuckDBPyConnection) -> pd.DataFrame:
-    """One row per (check, pair): TABLE_COLUMNS (the app's Doctor section)."""
-    rows = diagnose(con).checks
-    return pd.DataFrame(rows, columns=TABLE_COLUMNS) if rows else pd.DataFrame(columns=TABLE_COLUMNS)
+    """One row per (check, pair): TABLE_COLUMNS, the verdict next to the pair and check."""
+    return _checks_frame(diagnose(con))
+
+
+def _checks_frame(dx: Diagnosis) -> pd.DataFrame:
+    return pd.DataFrame(dx.checks, columns=TABLE_COLUMNS) if dx.checks else pd.DataFrame(columns=TABLE_COLUMNS)
 
 
 def _finite(x):
@@ -79,16 +94,70 @@ def _cell(row: dict | None) -> str:
     return "-" if row is None else f"{row['value']:.3g} {row['verdict']}"
 
 
-def _pair_matrix(dx: Diagnosis) -> list[str]:
-    by = {}
+def pair_checks(dx: Diagnosis) -> dict[str, dict[str, dict]]:
+    """pair -> check -> its row, for the checks made per (rollout, scorer) pair (not per run), pairs sorted."""
+    by: dict[str, dict[str, dict]] = {}
     for r in dx.checks:
         if r["run_id"] is None and "/" in r["pair"]:
             by.setdefault(r["pair"], {}).setdefault(r["check"], r)
+    return dict(sorted(by.items()))
+
+
+def health(checks: dict[str, dict]) -> str:
+    """The worst verdict of a pair's checks off the framework columns (weight health, non-finite rows)."""
+    return worst(r["verdict"] for k, r in checks.items() if k not in GATED)
+
+
+def pair_verdicts(dx: Diagnosis) -> list[dict]:
+    """One verdict per pair: {pair, verdict (TOLERANCE's worst with health), detail (each check's number and
+    verdict), line (the one-line verdict: pair, verdict, detail, aligned)}."""
+    by = pair_checks(dx)
+    width = max(map(len, by), default=0)
+    out = []
+    for pair, c in by.items():
+        verdict = worst([*(c[g]["verdict"] for g in TOLERANCE if g in c), health(c)])
+        parts = [f"{SHORT[g]} {_cell(c.get(g))}" for g in TOLERANCE]
+        parts += [f"health {health(c)}", BITWISE[c["bitwise"]["verdict"]] if "bitwise" in c else "bitwise -"]
+        detail = " · ".join(parts)
+        out.append({"pair": pair, "verdict": verdict, "detail": detail, "line": f"{pair:<{width}}  {verdict:<4}  {detail}"})
+    return out
+
+
+def verdict_lines(dx: Diagnosis) -> list[str]:
+    return [v["line"] for v in pair_verdicts(dx)]
+
+
+def advice_lines(dx: Diagnosis, width: int | None = None, limit: int | None = None) -> list[str]:
+    """'  - advice: because' per recommendation; wrapped at `width` (continuation indented) when given; past
+    `limit` recommendations one line counts the rest."""
+    shown = dx.recommendations[:limit]
+    lines = [f"  - {a['advice']}: {a['because']}" for a in shown]
+    if width is not None:
+        lines = [w for line in lines for w in textwrap.wrap(line, width, subsequent_indent="    ")]
+    rest = len(dx.recommendations) - len(shown)
+    return lines + ([f"  ... and {rest} more: `mismatch-lab doctor`"] if rest else [])
+
+
+@dataclass
+class DoctorView:
+    """What the app's Overview shows of the doctor: the verdict per pair, the advice, the checks table."""
+
+    verdicts: list[dict]
+    recommendations: list[dict]
+    table: pd.DataFrame
+
+
+def doctor_view(con: duckdb.DuckDBPyConnection) -> DoctorView:
+    dx = diagnose(con)
+    return DoctorView(pair_verdicts(dx), dx.recommendations, _checks_frame(dx))
+
+
+def _pair_matrix(dx: Diagnosis) -> list[str]:
+    by = pair_checks(dx)
     if not by:
         return []
     head = ["pair", "mean|Δp| verl", "k3 prime-rl", "seq|Δlogp| slime", "≠ bitwise", "health"]
-    lines = [[p, *(_cell(c.get(g)) for g in GATED),
-              worst(r["verdict"] for k, r in c.items() if k not in GATED)] for p, c in sorted(by.items())]
+    lines = [[p, *(_cell(c.get(g)) for g in GATED), health(c)] for p, c in by.items()]
     widths = [max(len(str(x[i])) for x in [head, *lines]) for i in range(len(head))]
     return ["  ".join(str(x).ljust(w) for x, w in zip(row, widths)) for row in [head, *lines]]
 
@@ -116,8 +185,7 @@ def text_report(dx: Diagnosis) -> str:
     if notes:
         lines += ["", "findings:", *notes]
     if dx.recommendations:
-        lines += ["", "what to change:"]
-        lines += [f"  - {a['advice']}: {a['because']}" for a in dx.recommendations]
+        lines += ["", "what to change:", *advice_lines(dx)]
     if dx.not_measured:
         needs: dict[str, list[str]] = {}
         for n in dx.not_measured:
