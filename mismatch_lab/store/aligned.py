@@ -14,7 +14,9 @@ raises MISALIGNED otherwise) and then joins on keys after all. The slices let Du
 parallel (one positional scan runs on one thread). On 10^7 tokens the positional join alone costs about a
 third of DuckDB's hash join on 2 cores (0.5 s against 1.4-1.6 s; docs/benchmarks.md). A store of small
 slices (MIN_SLICE_ROWS) is offered none, and one unit failing the footer check turns the slices off for
-the whole store.
+the whole store. A unit with a shard cut short is not listed at all: `shards.committed_files` leaves it
+out of every table when the store is opened (with a warning naming the file); a footer that cannot be
+read here is a UserError pointing to `mismatch-lab runs --check`.
 """
 
 from __future__ import annotations
@@ -104,13 +106,19 @@ def _unit_rows(con: duckdb.DuckDBPyConnection) -> dict[str, int]:
                min(stats_min_value) FILTER (WHERE path_in_schema = 'run_id' AND row_group_num_rows > 0) AS run,
                count(*) FILTER (WHERE column_id = 0) AS groups
         FROM parquet_metadata(?) GROUP BY file_name"""
-    got = con.execute(f"""
-        WITH f AS ({footers})
-        SELECT u.tokens, coalesce(t.n, 0), coalesce(t.n, 0) = coalesce(s.n, 0)
-               AND coalesce(t.ok = t.groups AND (t.n = 0 OR t.run = u.run_id), t.n IS NULL)
-               AND coalesce(s.ok = s.groups AND (s.n = 0 OR s.run = u.run_id), s.n IS NULL)
-        FROM {UNITS} u LEFT JOIN f t ON t.file_name = u.tokens LEFT JOIN f s ON s.file_name = u.scores""",
-        [files]).fetchall()  # fmt: skip
+    try:
+        got = con.execute(f"""
+            WITH f AS ({footers})
+            SELECT u.tokens, coalesce(t.n, 0), coalesce(t.n, 0) = coalesce(s.n, 0)
+                   AND coalesce(t.ok = t.groups AND (t.n = 0 OR t.run = u.run_id), t.n IS NULL)
+                   AND coalesce(s.ok = s.groups AND (s.n = 0 OR s.run = u.run_id), s.n IS NULL)
+            FROM {UNITS} u LEFT JOIN f t ON t.file_name = u.tokens LEFT JOIN f s ON s.file_name = u.scores""",
+            [files]).fetchall()  # fmt: skip
+    except (duckdb.IOException, duckdb.InvalidInputException) as exc:  # a footer damaged since the store was opened
+        from mismatch_lab.errors import UserError
+
+        raise UserError(f"a shard's Parquet footer cannot be read ({str(exc).strip().splitlines()[-1]}); "
+                        "`mismatch-lab runs --db STORE --check` lists the damaged files and how to fix each") from exc
     return {f: int(n) for f, n, _ in got} if all(ok for _, _, ok in got) else {}
 
 

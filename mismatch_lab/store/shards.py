@@ -24,6 +24,13 @@ Why it is safe to write without a lock or a server:
   for an importer), so ranks and processes never write the same file.
 * idempotent: writing a unit whose sequences shard already exists under the same name is skipped
   (`Transaction.committed`): re-importing the same files adds nothing twice.
+* signals: a commit's renames run with SIGINT/SIGTERM deferred (`signals_deferred`), so a signal never
+  stops them half way; an import, which commits many units at once, defers them from its run row to its
+  last rename and keeps a journal of the renames that its next run replays after a SIGKILL
+  (`replay_journal`).
+* damage: a committed file cut short (a node died while its data was written) is found from its first
+  and last bytes when the store is opened, and its unit left out with a warning (`committed_files`,
+  `parquet_damage`); `mismatch-lab runs --check` parses every footer.
 The one exception: an import numbers its sequences after the highest index the run already holds, so two
 imports into one run at the same time would pick the same ids. An import holds `run_lock` for its run (a
 kernel file lock on `.import-<run_id>.lock`, gone with the process however it ends), and a second one
@@ -139,11 +146,12 @@ def parquet_damage(path: str | Path, footer: bool = False) -> str | None:
     its end), or None. Reads its first 4 and last 8 bytes: the magic at both ends and a footer length
     that fits (a file cut short ends in data bytes); with `footer`, also parses the footer (pyarrow)."""
     try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            head = f.read(4)
-            f.seek(max(size - 8, 0))
-            tail = f.read(8)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            size = os.fstat(fd).st_size
+            head, tail = os.pread(fd, 4, 0), os.pread(fd, 8, max(size - 8, 0))
+        finally:
+            os.close(fd)
     except OSError as exc:
         return f"cannot be read ({exc.strerror})"
     if size < 12 or head != PARQUET_MAGIC or tail[4:] != PARQUET_MAGIC:
