@@ -96,8 +96,9 @@ def _refuse_foreign_out(out: Path) -> None:
     version = None
     if meta.is_file():
         try:
-            version = duckdb.connect().execute(
-                "SELECT max(value) FROM read_parquet(?) WHERE key = 'schema_version'", [str(meta)]).fetchone()[0]
+            with duckdb.connect() as con:
+                version = con.execute("SELECT max(value) FROM read_parquet(?) WHERE key = 'schema_version'",
+                                      [str(meta)]).fetchone()[0]
         except duckdb.Error:
             version = None
     if version != SCHEMA_VERSION:
