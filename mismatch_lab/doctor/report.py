@@ -108,6 +108,11 @@ def health(checks: dict[str, dict]) -> str:
     return worst(r["verdict"] for k, r in checks.items() if k not in GATED)
 
 
+def pair_verdict(checks: dict[str, dict]) -> str:
+    """A pair's verdict: the worst of its TOLERANCE checks and its health."""
+    return worst([*(checks[g]["verdict"] for g in TOLERANCE if g in checks), health(checks)])
+
+
 def pair_verdicts(dx: Diagnosis) -> list[dict]:
     """One verdict per pair: {pair, verdict (TOLERANCE's worst with health), detail (each check's number and
     verdict), line (the one-line verdict: pair, verdict, detail, aligned)}."""
@@ -115,7 +120,7 @@ def pair_verdicts(dx: Diagnosis) -> list[dict]:
     width = max(map(len, by), default=0)
     out = []
     for pair, c in by.items():
-        verdict = worst([*(c[g]["verdict"] for g in TOLERANCE if g in c), health(c)])
+        verdict = pair_verdict(c)
         parts = [f"{SHORT[g]} {_cell(c.get(g))}" for g in TOLERANCE]
         parts += [f"health {health(c)}", BITWISE[c["bitwise"]["verdict"]] if "bitwise" in c else "bitwise -"]
         detail = " · ".join(parts)
@@ -156,8 +161,8 @@ def _pair_matrix(dx: Diagnosis) -> list[str]:
     by = pair_checks(dx)
     if not by:
         return []
-    head = ["pair", "mean|Δp| verl", "k3 prime-rl", "seq|Δlogp| slime", "≠ bitwise", "health"]
-    lines = [[p, *(_cell(c.get(g)) for g in GATED), health(c)] for p, c in by.items()]
+    head = ["pair", "verdict", "mean|Δp| verl", "k3 prime-rl", "seq|Δlogp| slime", "≠ bitwise", "health"]
+    lines = [[p, pair_verdict(c), *(_cell(c.get(g)) for g in GATED), health(c)] for p, c in by.items()]
     widths = [max(len(str(x[i])) for x in [head, *lines]) for i in range(len(head))]
     return ["  ".join(str(x).ljust(w) for x, w in zip(row, widths)) for row in [head, *lines]]
 
@@ -179,7 +184,8 @@ def text_report(dx: Diagnosis) -> str:
     was not measured, and the gate's result."""
     lines = [f"doctor: {dx.store}"]
     lines += [f"  {BY_NAME[g].title}: {BY_NAME[g].band.text} ({BY_NAME[g].band.source})" for g in GATED]
-    lines += ["  health: the worst of the weight-health and non-finite checks (verl's illustrative levels)", ""]
+    lines += ["  health: the worst of the weight-health and non-finite checks (verl's illustrative levels)",
+              f"  {VERDICT_KEY} (bitwise apart: only bitwise on-policy training needs it)", ""]
     lines += _pair_matrix(dx) or ["no (rollout, scorer) pair with scored tokens in this store"]
     notes = _notes(dx)
     if notes:
