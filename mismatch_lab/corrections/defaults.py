@@ -35,14 +35,19 @@ TIS_CAP = 2.0
 MIS_CAP = 3.0
 """Token MIS (TRL `token_mask`) and sequence MIS (TRL `sequence_mask`, its default) cap C."""
 ICEPOP_LOW, ICEPOP_HIGH = 0.5, 5.0
-"""IcePop keeps tokens with r in [0.5, 5] (verl preset, slime)."""
+"""IcePop keeps tokens with r in [0.5, 5] (verl preset). slime's icepop_function reads --tis-clip-low / --tis-clip,
+[0, 2] by default (THUDM/slime @624b824a, slime/utils/arguments.py)."""
 GEO_LOW, GEO_HIGH = 0.999, 1.001
 """Geo-RS keeps sequences whose geometric-mean ratio is in [0.999, 1.001] (verl)."""
 K3_THRESHOLD = 0.01
 """verl `seq_mean_k3` rejection: a sequence with mean k3 = mean(r − log r − 1) above 0.01 is dropped."""
 VETO_FLOOR = 1e-4
-"""slime's veto: a sequence with any token r below 1e-4 is dropped."""
+"""The veto of slime's MIS example (rs_veto_threshold in examples/train_infer_mismatch_helper/mis.yaml): a sequence
+with any token r below 1e-4 is dropped."""
 OPSM_DELTA = 1e-4
-"""slime `--opsm-delta` (DeepSeek-V3.2's off-policy sequence masking): A < 0 and mean(log μ − log π) > δ."""
+"""slime's `--opsm-delta` default (DeepSeek-V3.2's off-policy sequence masking): A < 0 and mean(log μ − log π) > δ.
+slime compares log π_old (not μ) with log π unless --use-rollout-logprobs; TRL's off_policy_mask_threshold has no
+default."""
 PRIME_RL_DP = 0.2
-"""prime-rl's default loss masks A > 0 with π − μ > 0.2 and A < 0 with π − μ < −0.2."""
+"""prime-rl's default loss (dppo_mask_high / dppo_mask_low) masks A > 0 with π − μ > 0.2 and A ≤ 0 with π − μ < −0.2
+(PrimeIntellect-ai/prime-rl @559b4477, trainer/rl/loss.py)."""

@@ -70,15 +70,23 @@ def _objectives() -> list[Method]:
         Method("grpo", "objective", "token", {"eps_low": D.GRPO_EPS_LOW, "eps_high": D.GRPO_EPS_HIGH}, rules.grpo,
                "M = 0 where (A>0, ρ>1+ε_high) or (A<0, ρ<1−ε_low); w = r",
                "PPO/GRPO ratio clip (DPPO Eq. 10); ε_high 0.28 is DAPO's Clip-Higher (arXiv 2503.14476)",
-               "verl: clip_ratio_low/high 0.2 (0.28 Clip-Higher); TRL: epsilon / epsilon_high; slime: --eps-clip / --eps-clip-high",
+               "verl: clip_ratio_low/high 0.2 (0.28 Clip-Higher); TRL: epsilon / epsilon_high and slime: --eps-clip / "
+               "--eps-clip-high are these ε on π/π_old, but TRL always multiplies its vLLM IS ratio in (default: the "
+               "sequence product π_old/μ, sequences above 3 dropped) and slime weights by π_old/μ only with --use-tis "
+               "(presets trl/*, slime/*)",
                sign=True, below_one=("eps_low",)),
         Method("cispo", "objective", "token", {"cispo_eps_low": D.CISPO_EPS_LOW, "cispo_eps_high": D.CISPO_EPS_HIGH},
                rules.cispo, "M = 1; w = clip(ρ, 1−ε_low, 1+ε_high) · a/μ",
-               "CISPO, MiniMax-M1 (arXiv 2506.13585); cap 3 as in the DPPO sanity test", "TRL: loss_type=cispo with epsilon_high=3.0 (TRL caps the weight at epsilon_high itself)"),
+               "CISPO, MiniMax-M1 (arXiv 2506.13585); cap 3 as in the DPPO sanity test",
+               "TRL: loss_type=cispo with epsilon_high=3.0 caps π/π_old at 3 like this rule, but multiplies by its vLLM "
+               "IS ratio (default: the sequence product π_old/μ, sequences above 3 dropped) where this rule multiplies "
+               "by a/μ untruncated; TRL recommends epsilon_high 5 (preset trl/cispo-*)"),
         Method("gspo", "objective", "sequence", {"gspo_eps_low": D.GSPO_EPS_LOW, "gspo_eps_high": D.GSPO_EPS_HIGH},
                rules.gspo, "sequence masked where s = exp(mean log ρ) leaves [1−ε_low, 1+ε_high] in A's direction; "
                "w = exp(mean log r)", "GSPO (arXiv 2507.18071), its clip ranges 3e-4 / 4e-4",
-               "verl: policy_loss.loss_mode=gspo; TRL: importance_sampling_level=sequence", sign=True,
+               "verl: policy_loss.loss_mode=gspo; TRL: importance_sampling_level=sequence (epsilon 3e-4, epsilon_high "
+               "4e-4) masks the same sequences but weights them by s times its vLLM IS ratio (π_old/μ per token, or "
+               "the sequence's product), not by the geometric mean of π_old/μ (presets trl/gspo-*)", sign=True,
                below_one=("gspo_eps_low",)),
         Method("gmpo", "objective", "sequence", {"gmpo_eps": D.GMPO_EPS}, rules.gmpo,
                "M = 0 where log ρ leaves ±ε in A's direction; w = exp(mean of the clipped log ρ)",
@@ -108,18 +116,24 @@ def _corrections() -> list[Method]:
         Method("token_tis", "correction", "token", {"cap": D.TIS_CAP}, rules.token_tis, "u = min(r_c, C)",
                "truncated IS per token; C = 2 in verl/slime/miles, 3 in TRL",
                "verl: rollout_is=token, rollout_is_threshold=2.0; TRL: vllm_importance_sampling_mode=token_truncate "
-               "(vllm_importance_sampling_clip_max 3)", reweights=True),
+               "at C = 3 (its vllm_importance_sampling_clip_max; this rule's default is 2), r_c = π_old/μ; slime: "
+               "--use-tis (clamp to [--tis-clip-low 0, --tis-clip 2])", reweights=True),
         Method("seq_tis", "correction", "sequence", {"cap": D.TIS_CAP}, rules.seq_tis,
                "u = min(exp(Σ log r_c), C) on every token", "truncated IS on the sequence's product ratio",
-               "verl: rollout_is=sequence, rollout_is_threshold=2.0; TRL: vllm_importance_sampling_mode=sequence_truncate",
+               "verl: rollout_is=sequence, rollout_is_threshold=2.0; TRL: vllm_importance_sampling_mode=sequence_truncate "
+               "at C = 3 (this rule's default is 2)",
                reweights=True),
         Method("token_mis", "correction", "token", {"cap": D.MIS_CAP}, rules.token_mis, "M = 0 where r_c > C",
                "masked IS per token", "TRL: vllm_importance_sampling_mode=token_mask, vllm_importance_sampling_clip_max=3.0"),
         Method("icepop", "correction", "token", {"low": D.ICEPOP_LOW, "high": D.ICEPOP_HIGH}, rules.icepop,
-               "M = 0 where r_c ∉ [low, high]", "IcePop", "verl: token rejection at [0.5, 5] (rollout_rs; option names differ between verl versions); slime IcePop [0.5, 5]"),
+               "M = 0 where r_c ∉ [low, high]", "IcePop", "verl: token rejection at [0.5, 5] (rollout_rs; option names differ between verl versions); slime's "
+               "icepop_function keeps π_old/μ in [--tis-clip-low, --tis-clip] = [0, 2] by default: equal to this rule "
+               "only with --tis-clip-low 0.5 --tis-clip 5 (preset slime/icepop)"),
         Method("seq_mis", "correction", "sequence", {"cap": D.MIS_CAP}, rules.seq_mis,
                "sequence dropped where exp(Σ log r_c) > C", "masked IS on the product ratio",
-               "TRL: vllm_importance_sampling_mode=sequence_mask (its default), vllm_importance_sampling_clip_max=3.0"),
+               "TRL: vllm_importance_sampling_mode=sequence_mask (its default) drops the same sequences at C = 3 but "
+               "weights every kept token by the sequence's product ratio exp(Σ log π_old/μ), where this rule keeps "
+               "each token's own r_c: not equal (preset trl/dapo-sequence_mask)"),
         Method("geo_mis", "correction", "sequence", {"low": D.GEO_LOW, "high": D.GEO_HIGH}, rules.geo_mis,
                "sequence dropped where exp(mean log r_c) ∉ [low, high]", "Geo-RS, geometric-mean rejection",
                "verl Geo-RS: geometric-mean rejection at [0.999, 1.001] (rollout_rs=geometric in its older API; option names differ between verl versions)"),
@@ -127,10 +141,15 @@ def _corrections() -> list[Method]:
                "sequence dropped where mean(r_c − log r_c − 1) > t", "rejection on the per-sequence mean k3",
                "verl: rollout_rs=seq_mean_k3, threshold 0.01"),
         Method("veto", "correction", "sequence", {"floor": D.VETO_FLOOR}, rules.veto,
-               "sequence dropped where any r_c < floor", "catastrophic-token veto", "slime veto 1e-4; verl: rollout_token_veto_threshold=1e-4 (older API)"),
+               "sequence dropped where any r_c < floor", "catastrophic-token veto", "slime: the MIS example's rs_veto_threshold 1e-4 (on log π_old/μ, its "
+               "threshold rounded to float32; preset slime/mis); verl: rollout_token_veto_threshold=1e-4 (older API)"),
         Method("opsm", "correction", "sequence", {"delta": D.OPSM_DELTA}, rules.opsm,
                "sequence dropped where A < 0 and mean(log μ − log π_ref) > δ",
-               "off-policy sequence masking (DeepSeek-V3.2)", "slime: --use-opsm --opsm-delta 1e-4; TRL: off_policy_mask_threshold", sign=True),
+               "off-policy sequence masking (DeepSeek-V3.2)",
+               "TRL: off_policy_mask_threshold and slime: --use-opsm --use-rollout-logprobs compare μ with the current "
+               "π, not π_ref (equal only when π_ref = π); slime's --use-opsm alone compares π_old with π and never reads "
+               "μ; slime's --opsm-delta default is 1e-4, TRL has none (presets trl/dapo-sequence_mask-opsm, slime/opsm*)",
+               sign=True),
         Method("prime_rl_mask", "correction", "token", {"threshold": D.PRIME_RL_DP}, rules.prime_rl_mask,
                "M = 0 where (A>0, π − μ > t) or (A<0, π − μ < −t)", "prime-rl's default loss mask (Δp, t = 0.2)",
                "prime-rl's default loss (dppo_mask_low/high 0.2) differs: it reads the current π, not π_ref; it masks "

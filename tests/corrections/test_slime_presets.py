@@ -78,3 +78,15 @@ def test_the_inputs_reach_the_bands_the_slime_presets_read(t):
     assert by_name["slime/tis"](fresh(t)).metrics["tis_clipfrac"] > 0
     mis = by_name["slime/mis"](fresh(t)).metrics
     assert mis["mis_rs_catastrophic_seq_fraction"] > 0 and mis["mis_rs_mask_fraction_low"] > 0
+
+
+def test_slimes_icepop_keeps_its_tis_clip_band_not_our_icepops_band(t):
+    """What the registry says of icepop: slime's icepop_function reads --tis-clip-low / --tis-clip, [0, 2]."""
+    from mismatch_lab.corrections.batch import Batch
+    from mismatch_lab.corrections.registry import CORRECTIONS
+
+    slime = next(p for p in PRESETS if p.name == "slime/icepop")(fresh(t))
+    b = Batch(t.logp.detach(), t.logp_rollout, t.logp_rollout, t.logp_old, t.mask, t.advantages)
+    ours = CORRECTIONS["icepop"].rule(b, CORRECTIONS["icepop"].params)
+    assert not torch.equal(ours.keep, slime.keep)
+    assert "[0, 2]" in CORRECTIONS["icepop"].framework

@@ -146,3 +146,18 @@ def test_the_default_trl_preset_is_grpo_configs_default(tmp_path):
             theirs = config.epsilon  # GRPOTrainer: ε_high = ε when unset
         assert theirs == value, key
     assert default.settings == DEFAULTS
+
+
+def test_trls_default_weights_kept_tokens_by_the_product_ratio_where_our_seq_mis_keeps_each_tokens_ratio(batch):
+    """What the registry says of seq_mis: same drop rule at C = 3, different weights on the kept tokens."""
+    from mismatch_lab.corrections.batch import Batch
+    from mismatch_lab.corrections.registry import CORRECTIONS
+
+    t = tokens(batch)
+    trl = next(p for p in PRESETS if p.default)(fresh(t))
+    b = Batch(t.logp.detach(), t.logp_rollout, t.logp_rollout, t.logp_old, t.mask, t.advantages)
+    ours = CORRECTIONS["seq_mis"].rule(b, CORRECTIONS["seq_mis"].params)
+    both = ours.keep & trl.keep
+    assert both.sum() > 0.9 * trl.keep.sum()
+    assert not torch.allclose(ours.weight[both], trl.weight[both])
+    assert "not equal" in CORRECTIONS["seq_mis"].framework
