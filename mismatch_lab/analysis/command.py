@@ -64,11 +64,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         t0 = time.perf_counter()
 
-        def progress(name: str, seconds: float) -> None:
-            print(f"analyze: {name} done at {seconds:.1f} s", file=sys.stderr, flush=True)
-
         tables = run_all(con, rollout=args.rollout, scorer=args.scorer, run_ids=args.run_ids,
-                         top_n=args.top_n, progress=progress, flags=True)  # fmt: skip
+                         top_n=args.top_n, progress=_progress(sys.stderr.isatty()), flags=True)  # fmt: skip
+        if sys.stderr.isatty():
+            print("\r\033[K", end="", file=sys.stderr, flush=True)  # the progress line is gone before the output
         counts = None if args.all or args.table else store_counts(con)
     finally:
         con.close()
@@ -81,6 +80,17 @@ def run(args: argparse.Namespace) -> int:
         print(f"\nwrote {json_path} ({sum(map(len, tables.values())):,} rows of {len(tables)} tables)")
     print(f"analyze: {time.perf_counter() - t0:.1f} s; definitions and denominators: docs/analysis.md", file=sys.stderr)
     return 0
+
+
+def _progress(terminal: bool):
+    """Progress on stderr after each analysis: one line rewritten in place on a terminal (so the summary keeps
+    the screen), one line each otherwise (logs)."""
+
+    def progress(name: str, seconds: float) -> None:
+        text = f"analyze: {name} done at {seconds:.1f} s"
+        print(f"\r{text}\033[K" if terminal else text, end="" if terminal else "\n", file=sys.stderr, flush=True)
+
+    return progress
 
 
 def _filters(args: argparse.Namespace) -> list[str]:

@@ -127,3 +127,33 @@ def test_filters_are_named_and_a_store_without_scores_says_so(full_store, tmp_pa
     empty = write_store(tmp_path / "noscores.duckdb", {"runs": runs})
     code, out = analyze(capsys, "--db", empty)
     assert code == 0 and "no (rollout μ, scorer π) pair with scored tokens in this store" in out
+
+
+def test_progress_keeps_one_line_on_a_terminal_and_one_line_per_analysis_in_a_log(full_store):
+    import os
+    import pty
+    import subprocess
+    import sys
+
+    argv = [sys.executable, "-m", "mismatch_lab.cli", "analyze", "--db", str(full_store.path)]
+    logged = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert logged.returncode == 0
+    assert [line.split(" done")[0] for line in logged.stderr.splitlines()[:-1]] == [
+        f"analyze: {name}" for name in ("join", *ANALYSES)]
+    master, slave = pty.openpty()
+    proc = subprocess.run(argv, stdout=subprocess.PIPE, stderr=slave, timeout=300)
+    os.close(slave)
+    seen = b""
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # the terminal closed
+            break
+        if not chunk:
+            break
+        seen += chunk
+    os.close(master)
+    assert proc.returncode == 0 and proc.stdout.decode().startswith("store ")
+    text = seen.decode()
+    assert text.count("\n") == 1 and text.rstrip().endswith("definitions and denominators: docs/analysis.md")
+    assert text.count("\r") >= len(ANALYSES) + 1  # every progress line rewritten in place
