@@ -161,3 +161,25 @@ def test_trls_default_weights_kept_tokens_by_the_product_ratio_where_our_seq_mis
     assert both.sum() > 0.9 * trl.keep.sum()
     assert not torch.allclose(ours.weight[both], trl.weight[both])
     assert "not equal" in CORRECTIONS["seq_mis"].framework
+
+
+NAN_PRESETS = [p for p in PRESETS if p.name in ("trl/dapo-sequence_mask", "trl/grpo-token_truncate",
+                                                  "trl/dapo-sequence_mask-opsm")]
+
+
+@pytest.mark.parametrize("preset", NAN_PRESETS, ids=[p.name for p in NAN_PRESETS])
+def test_trl_presets_treat_a_nan_rollout_logprob_as_trl_does(preset, batch, tiny_model, tmp_path):
+    """vLLM can return NaN for a token's log-prob: TRL sets its log-ratio to 0 and leaves it out of
+    sampling_logp_difference (compared with TRL's code, as above)."""
+    nan = float("nan")
+    rows_ = batch[:6] + [([-0.5, -1.0], [-0.4, -1.1], [nan, -1.2], -1.0), ([-0.3], [-0.3], [nan], 1.0)]
+    t = tokens(rows_)
+    trl = run_trl(_trainer(tiny_model, tmp_path, preset.settings), t)
+    ours_t = fresh(t)
+    ours = preset(ours_t)
+    ours.loss.backward()
+    assert rel_close(ours.loss.item(), trl["loss"])
+    _assert_close_tensor(ours_t.logp.grad, trl["grad"], "gradient wrt log π")
+    for name in ours.metrics:
+        assert rel_close(ours.metrics[name], trl["metrics"][name], 1e-9), name
+    assert not any(v != v for v in ours.metrics.values())

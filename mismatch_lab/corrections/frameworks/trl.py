@@ -220,6 +220,10 @@ def _presets() -> tuple[Preset, ...]:
     out.append(_preset("dapo-sequence_mask-opsm", "the default plus OPSM: a sequence with A < 0 and "
                        "mean(log μ − log π) > 0.5 is dropped (TRL's documented example value)",
                        off_policy_mask_threshold=0.5))
+    out.append(_preset("dapo-token_mask-band", "the default loss with token_mask on [0.5, 5] (clip_min 0.5, "
+                       "clip_max 5: IcePop's band): tokens with π_old/μ outside dropped, kept ones weighted by it",
+                       vllm_importance_sampling_mode="token_mask", vllm_importance_sampling_clip_min=0.5,
+                       vllm_importance_sampling_clip_max=5.0))
     out.append(_preset("dapo-sequence_mask-two_sided", "the default with the two-sided clip: c capped at "
                        "δ = 4 where A < 0 (INTELLECT-2's value)", delta=4.0))
     return tuple(out)
