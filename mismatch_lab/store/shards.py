@@ -152,6 +152,8 @@ def parquet_damage(path: str | Path, footer: bool = False) -> str | None:
             head, tail = os.pread(fd, 4, 0), os.pread(fd, 8, max(size - 8, 0))
         finally:
             os.close(fd)
+    except FileNotFoundError:  # removed since it was listed (a resumed writer replacing its step): not damage
+        return None
     except OSError as exc:
         return f"cannot be read ({exc.strerror})"
     if size < 12 or head != PARQUET_MAGIC or tail[4:] != PARQUET_MAGIC:
