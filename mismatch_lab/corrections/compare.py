@@ -14,7 +14,7 @@ enter the rules; the others are counted in `n_nonfinite`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -58,12 +58,14 @@ def variants(overrides: Mapping[str, Mapping[str, float]] | None = None) -> list
 
 
 def compare(con, *, overrides=None, chunk_tokens: int = 1 << 20,
-            progress: Callable[[int, int], None] | None = None) -> dict[str, pd.DataFrame]:
+            progress: Callable[[int, int], None] | None = None,
+            methods: Collection[str] | None = None) -> dict[str, pd.DataFrame]:
     """Tables `corrections` (one row per method and pair) and `by_adv_sign`, `by_mu_bucket`,
-    `by_category` (the same per split value) of the store on `con`. progress(tokens done, total)."""
+    `by_category` (the same per split value) of the store on `con`. progress(tokens done, total).
+    `methods`: only these labels (each row is computed alone, so it equals the full comparison's row)."""
     from mismatch_lab.corrections.layout import pair_info
 
-    vs = variants(overrides)
+    vs = [v for v in variants(overrides) if methods is None or v.label in methods]
     info = pair_info(con)
     acc = _Accumulator(vs)
     for chunk in chunks(con, info, chunk_tokens=chunk_tokens, progress=progress):

@@ -10,7 +10,8 @@
     probe.py      `--model`: a short fixed probe collection through `collect`
     command.py    the CLI
 
-No torch here: only `--model` (the probe) loads the engines, through `collect`.
+Torch is imported by two paths only: `--model` (the probe) loads the engines through `collect`, and the
+advice's dropped-sequence shares run `corrections.compare` on the store (measure.corrections).
 """
 
 from __future__ import annotations

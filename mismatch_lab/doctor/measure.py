@@ -23,6 +23,8 @@ one shared `rows.Rows` row set); the per-sequence numbers are one GROUP BY over 
     approximation  one row per (rollout, scorer, reference) whose tokens have the scorer's exact TV
              against the reference scorer stored: the analyses' approximation_table (binary and top-K TV
              as mask rules against the exact TV at δ_TV = 0.15: binary_tv_miss, topk_tv_miss, ...)
+    corrections  one row per (method, rollout, scorer) for the methods recommend.py may advise:
+             `mismatch-lab corrections`' own rows (corrections.compare; frac_seqs_masked, ...)
 """
 
 from __future__ import annotations
@@ -140,6 +142,16 @@ def approximation(m: Measurements) -> pd.DataFrame:
     return table[table["n_exact"] > 0].reset_index(drop=True)
 
 
-MEASUREMENTS = {"pairs": pairs, "steps": steps, "batch": batch, "skipped": skipped, "approximation": approximation}
+def corrections(m: Measurements) -> pd.DataFrame:
+    """`mismatch-lab corrections`' main table of the same store (corrections.compare at the published
+    defaults: frac_seqs_masked per method and pair), for the methods recommend.py may advise."""
+    from mismatch_lab.corrections.compare import compare
+    from mismatch_lab.doctor.recommend import ADVISABLE
+
+    return compare(m.con, methods=ADVISABLE)["corrections"]
+
+
+MEASUREMENTS = {"pairs": pairs, "steps": steps, "batch": batch, "skipped": skipped, "approximation": approximation,
+                "corrections": corrections}
 
 __all__ = ["MEASUREMENTS", "Measurements"]

@@ -1,7 +1,8 @@
 """What to change, derived from the store's own measurements (never canned text): each rule reads the
 measurements and returns advice only where the numbers support it, with the numbers behind it.
 
-    fp16            a fp16 rollout measured N× below bf16 (same engine, same or same-precision scorer)
+    fp16            a fp16 rollout measured N× below bf16 (same engine, same or same-precision scorer); names
+                    the trainer dtype(s) and pairs measured, and advises an fp16 trainer only where one was
     sequence_ratio  the product sequence ratio leaves [0.5, 2] for X % of sequences, the geometric mean Y %
     trust_region    PPO's ratio clip drops W % of tokens, DPPO's binary-TV mask Z %
     tv_estimator    where exact TV is stored and tokens exceed δ_TV: binary TV misses X % of them, top-K Y %
@@ -11,6 +12,10 @@ measurements and returns advice only where the numbers support it, with the numb
 
 Each rule: `rule(m: Measurements) -> list[dict]` with keys `rule`, `advice`, `because` (the sentence with
 the numbers) and `numbers` (the same numbers, by name).
+
+A rule that advises a correction method of the registry (ADVISES) reads the share of sequences that method
+drops on the same pair from `mismatch-lab corrections`' own rows of the same store (measurement
+`corrections`), names it, and never advises a method dropping more than MAX_DROPPED_SEQS of them.
 """
 
 from __future__ import annotations
@@ -25,6 +30,22 @@ from mismatch_lab.doctor.measure import Measurements
 
 FP16_PAPER = "FP16 paper, arXiv 2510.26788"
 
+MAX_DROPPED_SEQS = 0.5
+"""Doctor advises no correction that drops more than half of the pair's sequences (every token M = 0) at its
+published defaults on the judged store: such a rule throws away most of the batch's learning signal, which
+no mismatch correction is meant to do (it says the rule's band is far tighter than this store's mismatch,
+e.g. verl's Geo-RS [0.999, 1.001] drops 92.6 % of studies/precision-sweep's vllm:bf16/hf:fp32 sequences).
+The share is named instead."""
+
+ADVISES = {
+    "sequence_ratio": {"token-level correction": ("token_tis", "icepop"), "geometric-mean correction": ("geo_mis",)},
+    "trust_region": {"DPPO binary TV": ("dppo_binary_tv",), "DPPO top-K TV": ("dppo_topk_tv",)},
+    "tv_estimator": {"top-K TV (DPPO top-K)": ("dppo_topk_tv",)},
+}
+"""The registry methods (corrections/registry.py) behind each named option of each advising rule."""
+ADVISABLE = sorted({m for options in ADVISES.values() for ms in options.values() for m in ms})
+"""The methods whose dropped share doctor measures (measure.corrections)."""
+
 
 def _advice(rule: str, advice: str, because: str, **numbers) -> dict:
     return {"rule": rule, "advice": advice, "because": because, "numbers": numbers}
@@ -33,6 +54,44 @@ def _advice(rule: str, advice: str, because: str, **numbers) -> dict:
 def _split(label: str) -> tuple[str, str]:
     engine, _, dtype = str(label).partition(":")
     return engine, dtype
+
+
+def _dropped(m: Measurements, method: str, rollout: str, scorer: str) -> tuple[float, float]:
+    """(share of the pair's sequences `method` drops whole, the pair's sequences): `mismatch-lab corrections`'
+    frac_seqs_masked and n_seqs of the same store; NaN where it has no number (no finite token, no top-K)."""
+    c = m.get("corrections")
+    row = c[(c["method"] == method) & (c["rollout"] == rollout) & (c["scorer"] == scorer)] if not c.empty else c
+    return (float(row["frac_seqs_masked"].iloc[0]), float(row["n_seqs"].iloc[0])) if len(row) else (math.nan, math.nan)
+
+
+def _vet(m: Measurements, options: dict[str, tuple[str, ...]], rollout: str, scorer: str):
+    """The options (name -> registry methods, from ADVISES) on one pair, each method judged by its dropped
+    share: ({option: its methods that drop at most MAX_DROPPED_SEQS (or were not measured)}, the sentence
+    naming every share, {'<method>_dropped_seqs_pct': share in %})."""
+    kept, parts, pct, n_seqs = {}, [], {}, math.nan
+    for option, methods in options.items():
+        for x in methods:
+            share, n = _dropped(m, x, rollout, scorer)
+            pct[f"{x}_dropped_seqs_pct"] = 100 * share
+            n_seqs = n if math.isnan(n_seqs) else n_seqs
+            refused = share > MAX_DROPPED_SEQS  # False for NaN: not measured is said, not refused
+            parts.append(f"{x} not measured" if math.isnan(share) else f"{x} {100 * share:.3g} %"
+                         + (f" (not advised: above {100 * MAX_DROPPED_SEQS:g} %)" if refused else ""))
+            if not refused:
+                kept.setdefault(option, []).append(x)
+    of = f" of its {int(n_seqs):,} sequences" if not math.isnan(n_seqs) else " of its sequences"
+    return kept, f"`mismatch-lab corrections` on {rollout}/{scorer}, share{of} dropped: {', '.join(parts)}", pct
+
+
+def _named(kept: dict[str, list[str]]) -> str:
+    return " or ".join(f"{o} ({', '.join(ms)})" for o, ms in kept.items())
+
+
+def _withheld(rule: str, options: dict[str, tuple[str, ...]], said: str, rollout: str, scorer: str, **numbers) -> dict:
+    """The advice a rule gives instead where every method it would advise drops most sequences."""
+    methods = ", ".join(x for ms in options.values() for x in ms)
+    return _advice(rule, f"do not enable {methods} at the published defaults on {rollout}/{scorer}", said,
+                   **numbers)
 
 
 def _fp16_pairs(p: pd.DataFrame) -> tuple[pd.Series, pd.Series] | None:
@@ -72,10 +131,28 @@ def fp16(m: Measurements) -> list[dict]:
                         f"cannot be compared ({FP16_PAPER})")]
     ratio = bf["abs_dp_mean"] / fp["abs_dp_mean"] if fp["abs_dp_mean"] > 0 else float("inf")
     because = (f"mean |π − μ| {bf['rollout']}/{bf['scorer']} {bf['abs_dp_mean']:.3g} vs {fp['rollout']}/{fp['scorer']} "
-               f"{fp['abs_dp_mean']:.3g}: fp16 is {ratio:.3g}× below bf16 ({FP16_PAPER})")
-    advice = ("use fp16 rollouts (and an fp16 trainer)" if ratio >= B.FP16_GAIN
+               f"{fp['abs_dp_mean']:.3g}: fp16 is {ratio:.3g}× below bf16 ({FP16_PAPER}); {_trainers_measured(bf, fp)}")
+    advice = (f"use fp16 rollouts {_fp16_trainer_advice(fp)}" if ratio >= B.FP16_GAIN
               else f"fp16 gains less than {B.FP16_GAIN:g}× here: precision is not the main source")
-    return [_advice("fp16", advice, because, ratio=ratio, bf16=bf["abs_dp_mean"], fp16=fp["abs_dp_mean"])]
+    return [_advice("fp16", advice, because, ratio=ratio, bf16=bf["abs_dp_mean"], fp16=fp["abs_dp_mean"],
+                    bf16_pair=f"{bf['rollout']}/{bf['scorer']}", fp16_pair=f"{fp['rollout']}/{fp['scorer']}",
+                    fp16_trainer_dtype=_split(fp["scorer"])[1])]
+
+
+def _fp16_trainer_advice(fp: pd.Series) -> str:
+    """An fp16 trainer is advised only where the fp16 rollout was measured against one."""
+    if _split(fp["scorer"])[1] == "fp16":
+        return f"and an fp16 trainer (measured: {fp['rollout']} against the {fp['scorer']} trainer)"
+    return (f"(measured against the {fp['scorer']} trainer only; an fp16 trainer was not measured: "
+            f"--trainer-dtype fp16 in a `doctor --model` probe measures it)")
+
+
+def _trainers_measured(bf: pd.Series, fp: pd.Series) -> str:
+    dtypes = {_split(bf["scorer"])[1], _split(fp["scorer"])[1]}
+    if len(dtypes) == 1:
+        return f"both rollouts scored by the same {fp['scorer']} trainer (trainer dtype {dtypes.pop()})"
+    return (f"each rollout scored by a trainer of its own dtype ({bf['scorer']}, {fp['scorer']}): the trainer dtype "
+            f"changes with the rollout's")
 
 
 def sequence_ratio(m: Measurements) -> list[dict]:
@@ -88,8 +165,13 @@ def sequence_ratio(m: Measurements) -> list[dict]:
     because = (f"{r['rollout']}/{r['scorer']}: the product ratio exp(Σ log r) leaves [{B.IS_WEIGHT_LOW}, "
                f"{B.IS_WEIGHT_HIGH}] for {x:.3g} % of {int(r['seq_n'])} sequences at a mean length of "
                f"{r['seq_len_mean']:.3g} tokens; the geometric mean exp(mean log r) for {y:.3g} %")
-    return [_advice("sequence_ratio", "prefer token-level or geometric-mean correction to a product sequence ratio",
-                    because, product_pct=x, geometric_pct=y, mean_len=r["seq_len_mean"])]
+    options = ADVISES["sequence_ratio"]
+    kept, said, pct = _vet(m, options, r["rollout"], r["scorer"])
+    numbers = {"product_pct": x, "geometric_pct": y, "mean_len": r["seq_len_mean"], **pct}
+    if not kept:
+        return [_withheld("sequence_ratio", options, f"{because}; {said}", r["rollout"], r["scorer"], **numbers)]
+    return [_advice("sequence_ratio", f"prefer {_named(kept)} to a product sequence ratio", f"{because}; {said}",
+                    **numbers)]
 
 
 def trust_region(m: Measurements) -> list[dict]:
@@ -101,9 +183,14 @@ def trust_region(m: Measurements) -> list[dict]:
     w, z = 100 * r["frac_ratio_outside_clip"], 100 * r["frac_tv_mask"]
     because = (f"{r['rollout']}/{r['scorer']}: PPO's ratio clip (r outside [{d.CLIP_LOW:g}, {d.CLIP_HIGH:g}]) touches "
                f"{w:.3g} % of tokens before any update, DPPO's binary-TV mask (|π − μ| > {d.DELTA_TV:g}) {z:.3g} %")
-    estimator = "top-K TV" if _topk_catches_more(_most_missed(m)) else "binary TV"
-    return [_advice("trust_region", f"bound the trust region (DPPO {estimator}), not the ratio clip", because,
-                    clip_pct=w, tv_mask_pct=z)]
+    estimator = "DPPO top-K TV" if _topk_catches_more(_most_missed(m)) else "DPPO binary TV"
+    options = {estimator: ADVISES["trust_region"][estimator]}
+    kept, said, pct = _vet(m, options, r["rollout"], r["scorer"])
+    if not kept:
+        return [_withheld("trust_region", options, f"{because}; {said}", r["rollout"], r["scorer"],
+                          clip_pct=w, tv_mask_pct=z, **pct)]
+    return [_advice("trust_region", f"bound the trust region ({estimator}), not the ratio clip",
+                    f"{because}; {said}", clip_pct=w, tv_mask_pct=z, **pct)]
 
 
 def _most_missed(m: Measurements) -> pd.Series | None:
@@ -133,8 +220,14 @@ def tv_estimator(m: Measurements) -> list[dict]:
              f"of {int(r['n_exact']):,} have an exact TV above δ_TV = {r['delta_tv']:g}; binary TV misses {x:.3g} % of them")
     if _topk_catches_more(r):
         y = 100 * r["topk_tv_miss"]
-        return [_advice("tv_estimator", "mask with top-K TV (DPPO top-K), not binary TV",
-                        f"{where}, top-K TV {y:.3g} %", binary_miss_pct=x, topk_miss_pct=y)]
+        options = ADVISES["tv_estimator"]
+        kept, said, pct = _vet(m, options, r["rollout"], r["scorer"])
+        because = f"{where}, top-K TV {y:.3g} %; {said}"
+        if not kept:
+            return [_withheld("tv_estimator", options, because, r["rollout"], r["scorer"], binary_miss_pct=x,
+                              topk_miss_pct=y, **pct)]
+        return [_advice("tv_estimator", "mask with top-K TV (DPPO top-K), not binary TV", because,
+                        binary_miss_pct=x, topk_miss_pct=y, **pct)]
     if r["n_topk_exact"] > 0:
         return []  # top-K was measured and misses as many: nothing to gain
     return [_advice("tv_estimator", "record top-K lists (collect --top-k 20) to measure top-K TV",
