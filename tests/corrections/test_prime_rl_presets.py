@@ -74,3 +74,17 @@ def test_prime_rl_masks_a_zero_advantage_token_that_our_generic_rule_keeps():
     ours = CORRECTIONS["prime_rl_mask"].rule(b, CORRECTIONS["prime_rl_mask"].params)
     assert ours.keep.all()
     assert "A = 0" in CORRECTIONS["prime_rl_mask"].framework
+
+
+@pytest.mark.filterwarnings("ignore:std\\(\\)")
+def test_a_one_sequence_batch_gives_prime_rls_nan_std_without_a_warning_of_ours():
+    import warnings
+
+    t = tokens([([-0.2, -1.0], [-0.2, -1.0], [-0.4, -0.9], 1.0)])
+    _, _, _, _, metrics = _reference(t, PRESETS[0].settings)  # torch warns inside the transcription
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ours = PRESETS[0](fresh(t)).metrics
+    assert sorted(ours) == sorted(metrics)
+    assert all(rel_close(ours[k], v) for k, v in metrics.items())
+    assert ours["is_masked/std"] != ours["is_masked/std"]

@@ -45,7 +45,8 @@ def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
     if values.numel() == 0:
         return {f"{prefix}/{s}": float("nan") for s in STATS}
     return {f"{prefix}/mean": values.mean().item(), f"{prefix}/median": values.median().item(),
-            f"{prefix}/std": values.std().item(), f"{prefix}/min": values.min().item(),
+            f"{prefix}/std": values.std().item() if values.numel() > 1 else float("nan"),  # torch: NaN + a warning
+            f"{prefix}/min": values.min().item(),
             f"{prefix}/max": values.max().item()}
 
 
