@@ -35,15 +35,15 @@ PAIR_COLUMNS = (
     ("abs_dlogp_mean", "mean|Δlogp|", "nats", 1),
     ("kl_k3", "KL k3", "nats", 1),
     ("frac_ratio_outside_clip", f"r∉[{d.CLIP_LOW:g},{d.CLIP_HIGH:g}]", "% tokens", 100),
-    ("seq_logratio_rate_per_1k", "Σlog r per 1K", "nats", 1),
+    ("seq_logratio_rate_per_1k", "Σlog r/1K", "nats", 1),
     ("n_nonfinite", "non-finite", "rows", 1),
 )
 """The key numbers of a pair, in the order printed. Δp = π − μ (probability), Δlogp = log π − log μ,
-KL k3 = mean(r − log r − 1), r∉[…] = the share PPO's ratio clip touches, Σlog r per 1K = the drift of the
+KL k3 = mean(r − log r − 1), r∉[…] = the share PPO's ratio clip touches, Σlog r/1K = the drift of the
 sequence log-ratio per 1,000 tokens (fit through the origin)."""
 
 LEGEND = ("per token, sampled token only: Δp = π − μ in probability space, Δlogp = log π − log μ, r = π/μ;\n"
-          "KL k3 = mean(r − log r − 1) estimates KL(μ‖π); Σlog r per 1K = sequence log-ratio drift per 1,000 tokens;\n"
+          "KL k3 = mean(r − log r − 1) estimates KL(μ‖π); Σlog r/1K = drift of the sequence log-ratio per 1,000 tokens;\n"
           "non-finite rows are counted and left out of every mean")
 
 
@@ -129,13 +129,13 @@ def analyze_summary(store: str, counts: dict, tables: dict[str, pd.DataFrame], f
                              f"({', '.join(scorers)})", WIDTH)
         out += [*LEGEND.splitlines(), "", *pair_table(pairs)]
     if not floor.empty:
-        out += ["", "noise floor: each scorer against the reference scorer on the same rollout tokens "
-                    "(no rollout can be judged below it)"]
+        out += ["", ("noise floor: each scorer against the reference scorer on the same rollout tokens "
+                     "(no rollout can be judged below it)")]
         out += pair_table(floor, ("rollout", "scorer", "reference"), limit=8)
     steps = tables.get("steps", pd.DataFrame())
     if not steps.empty:
-        out += ["", f"training steps: {steps['run_id'].nunique()} run(s) over {steps['step'].nunique()} step(s), "
-                    "the same numbers per step: `--table steps`"]
+        out += ["", (f"training steps: {steps['run_id'].nunique()} run(s) over {steps['step'].nunique()} step(s), "
+                     "the same numbers per step: `--table steps`")]
     sizes = ", ".join(f"{name} ({len(df):,}{' rows' if i == 0 else ''})" for i, (name, df) in enumerate(tables.items()))
     out += ["", f"verdicts and what to change: {command('doctor', '--db', store)}",
             "print a table in full with --table NAME (repeatable), every table with --all; docs/analysis.md",

@@ -58,7 +58,12 @@ MAX_ADVICE = 3
 def doctor_lines(con) -> list[str]:
     """The doctor's verdict per pair and its advice, as `doctor` defines them (doctor/report.py)."""
     from mismatch_lab.analysis.summary import WIDTH
-    from mismatch_lab.doctor.report import VERDICT_KEY, advice_lines, diagnose, verdict_lines
+    from mismatch_lab.doctor.report import (
+        VERDICT_KEY,
+        advice_lines,
+        diagnose,
+        verdict_lines,
+    )
 
     dx = diagnose(con)
     verdicts = verdict_lines(dx)

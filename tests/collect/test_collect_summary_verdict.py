@@ -64,7 +64,12 @@ def test_the_summary_fits_one_screen_with_units_and_percent(collected):
 
 
 def test_the_summary_ends_with_the_doctors_own_verdict_lines(collected, monkeypatch):
-    from mismatch_lab.doctor.report import VERDICT_KEY, advice_lines, diagnose, verdict_lines
+    from mismatch_lab.doctor.report import (
+        VERDICT_KEY,
+        advice_lines,
+        diagnose,
+        verdict_lines,
+    )
     from mismatch_lab.store.reader import open_store
 
     root, out = collected
