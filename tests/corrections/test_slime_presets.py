@@ -11,10 +11,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from frameworks_reference import slime as ref  # noqa: E402
-from frameworks_reference.inputs import fresh, rel_close, rows, tokens  # noqa: E402
+from frameworks_reference import slime as ref
+from frameworks_reference.inputs import fresh, rel_close, rows, tokens
 
-from mismatch_lab.corrections.frameworks.slime import DEFAULTS, MIS_YAML, PRESETS  # noqa: E402
+from mismatch_lab.corrections.frameworks.slime import DEFAULTS, MIS_YAML, PRESETS
 
 FLOAT32_SUMS = ("pg_clipfrac", "tis_clipfrac", "opsm_clipfrac")
 

@@ -31,7 +31,6 @@ tis_clipfrac, tis_abs (or mis_* for the MIS example), opsm_clipfrac with --use-o
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any
 

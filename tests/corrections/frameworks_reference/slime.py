@@ -18,8 +18,6 @@ GSPO, CISPO, context parallelism.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 COMMIT = "624b824a898ab0ec1fcb4d373004c7f3852bf515"
