@@ -38,15 +38,22 @@ DUCKDB_OS_TEXTS = {"no space left on device": errno.ENOSPC, "disk quota exceeded
 """What DuckDB's own IO errors say (it reports the OS error as text): text -> errno."""
 
 
-def storage_error_line(exc: BaseException) -> str | None:
+TARGET_FLAGS = ("out", "json", "db")
+"""The command's flags naming what it writes, in this order: named by the line of an OSError that names no
+file (pyarrow's 'Error writing bytes to file' does not)."""
+
+
+def storage_error_line(exc: BaseException, args=None) -> str | None:
     """One line for an `OSError` or a DuckDB error reporting a full disk, a read-only file system or a denied
     permission, found in `exc` or the exceptions it was raised from or during (a rollback after a failed
-    commit raises again); None when the chain holds neither, so the caller re-raises."""
+    commit raises again); None when the chain holds neither, so the caller re-raises. `args`: the command's
+    parsed arguments, whose first `TARGET_FLAGS` flag is named when the error names no file."""
     seen: set[int] = set()
+    target = next((f"writing --{f} {v}" for f in TARGET_FLAGS if (v := getattr(args, f, None))), None)
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
         if isinstance(exc, OSError):
-            return _os_line(exc)
+            return _os_line(exc, target)
         line = _duckdb_line(exc)
         if line is not None:
             return line
@@ -54,9 +61,9 @@ def storage_error_line(exc: BaseException) -> str | None:
     return None
 
 
-def _os_line(exc: OSError) -> str:
+def _os_line(exc: OSError, target: str | None) -> str:
     what = exc.strerror or str(exc) or type(exc).__name__
-    paths = " -> ".join(str(p) for p in (exc.filename, exc.filename2) if p is not None)
+    paths = " -> ".join(str(p) for p in (exc.filename, exc.filename2) if p is not None) or target
     return f"{paths + ': ' if paths else ''}{what}; {OS_FIXES.get(exc.errno, OTHER_FIX)}"
 
 

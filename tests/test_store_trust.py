@@ -236,6 +236,26 @@ def test_writing_into_a_read_only_folder_is_one_line_naming_the_path(command, st
         assert list(ro.iterdir()) == []
 
 
+@pytest.mark.parametrize("disk", ["size=64k", "ro,size=64k"], ids=["full", "read-only"])
+def test_an_import_onto_a_full_or_read_only_disk_is_one_line(disk, tmp_path, capsys):
+    import json
+    import random
+
+    rng = random.Random(0)
+    dump = tmp_path / "dump.jsonl"
+    with dump.open("w") as f:
+        for i in range(400):
+            n = 120
+            f.write(json.dumps({"step": i // 100, "token_ids": [rng.randrange(50000) for _ in range(n)],
+                                "logp_rollout": [-rng.random() * 5 for _ in range(n)],
+                                "logp_trainer": [-rng.random() * 5 for _ in range(n)]}) + "\n")
+    with _tmpfs(tmp_path / "disk", disk) as mount:
+        assert main(["import", "jsonl", str(dump), "--out", str(mount / "store")]) == 2
+        line = _one_error_line(capsys.readouterr().err, "import")
+        assert str(mount) in line
+        assert ("No space left on device" if disk.startswith("size") else "Read-only file system") in line
+
+
 def test_a_denied_permission_is_one_line_naming_the_path(store, tmp_path, capsys):
     if os.geteuid() == 0:
         pytest.skip("root writes through chmod 0555; the read-only tmpfs tests cover this path as root")
