@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         if not terminated and not isinstance(exc, KeyboardInterrupt):
             from mismatch_lab.errors import storage_error_line
 
-            line = storage_error_line(exc)  # a full disk, a read-only folder, a denied permission
+            line = storage_error_line(exc, args)  # a full disk, a read-only folder, a denied permission
             if line is None:
                 raise
             print(f"mismatch-lab {args.command}: error: {line}", file=sys.stderr)
