@@ -131,7 +131,8 @@ def _corrections() -> list[Method]:
                "only with --tis-clip-low 0.5 --tis-clip 5 (preset slime/icepop)"),
         Method("seq_mis", "correction", "sequence", {"cap": D.MIS_CAP}, rules.seq_mis,
                "sequence dropped where exp(Σ log r_c) > C", "masked IS on the product ratio",
-               "TRL: vllm_importance_sampling_mode=sequence_mask (its default) drops the same sequences at C = 3 but "
+               "TRL: vllm_importance_sampling_mode=sequence_mask (its default) drops the same sequences at C = 3 "
+               "(it compares exp(Σ log π_old/μ) with C, so a product at C in log space can round above it) but "
                "weights every kept token by the sequence's product ratio exp(Σ log π_old/μ), where this rule keeps "
                "each token's own r_c: not equal (preset trl/dapo-sequence_mask)"),
         Method("geo_mis", "correction", "sequence", {"low": D.GEO_LOW, "high": D.GEO_HIGH}, rules.geo_mis,
