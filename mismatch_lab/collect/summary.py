@@ -52,7 +52,7 @@ def print_summary(con, run_ids: list[str], cfg) -> None:
 
 
 MAX_ADVICE = 3
-"""The most recommendations the summary prints in full; `doctor` prints every one."""
+"""The most recommendations the summary names (without their numbers); `doctor` prints every one in full."""
 
 
 def doctor_lines(con) -> list[str]:
@@ -71,8 +71,8 @@ def doctor_lines(con) -> list[str]:
         return ["doctor: no (rollout, scorer) pair with scored tokens to judge"]
     lines = ["doctor, per pair against the frameworks' published bands (docs/doctor.md):", f"  {VERDICT_KEY}"]
     lines += [f"  {v}" for v in verdicts]
-    advice = advice_lines(dx, WIDTH, limit=MAX_ADVICE)
-    return lines + (["what to change:", *advice] if advice else [])
+    advice = advice_lines(dx, WIDTH, limit=MAX_ADVICE, because=False)
+    return lines + (["what to change (the numbers behind each: `doctor`):", *advice] if advice else [])
 
 
 NEXT = (("doctor", "--db", "every check, band and source; what to change; a CI gate"),

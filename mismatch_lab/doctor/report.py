@@ -132,11 +132,11 @@ def verdict_lines(dx: Diagnosis) -> list[str]:
     return [v["line"] for v in pair_verdicts(dx)]
 
 
-def advice_lines(dx: Diagnosis, width: int | None = None, limit: int | None = None) -> list[str]:
-    """'  - advice: because' per recommendation; wrapped at `width` (continuation indented) when given; past
-    `limit` recommendations one line counts the rest."""
+def advice_lines(dx: Diagnosis, width: int | None = None, limit: int | None = None, because: bool = True) -> list[str]:
+    """'  - advice: because' per recommendation ('  - advice' without `because`); wrapped at `width`
+    (continuation indented) when given; past `limit` recommendations one line counts the rest."""
     shown = dx.recommendations[:limit]
-    lines = [f"  - {a['advice']}: {a['because']}" for a in shown]
+    lines = [f"  - {a['advice']}: {a['because']}" if because else f"  - {a['advice']}" for a in shown]
     if width is not None:
         lines = [w for line in lines for w in textwrap.wrap(line, width, subsequent_indent="    ")]
     rest = len(dx.recommendations) - len(shown)
