@@ -1,0 +1,140 @@
+"""Framework presets on a store's tokens: per preset and (rollout, scorer) pair, the share of response tokens
+and of sequences the framework's loss keeps, and the metrics it would log (under its own names).
+
+The store is read and laid out as `compare` does it (layout.chunks, Chunk.parts: whole sequences, [B, T] per
+response-length bucket); each part is one batch handed to the preset's loss with π = π_old = the scorer's
+log-probs (a store holds no π_old: what the framework does at the first mini-batch of the step that produced
+the tokens), μ = the rollout's, A = the stored advantage, else reward minus the prompt group's mean. Sequences
+with neither run twice, with A = +1 and A = −1: a token counts as kept only when both runs keep it
+(two-sided, as `compare` counts sign-dependent rules) and the metrics are those of the A = +1 run.
+
+Metrics: a framework logs them per batch; here each is the mean over the parts weighted by the parts'
+response tokens (its max/min statistics included: verl, too, averages its micro-batches' metrics); a part
+whose value is NaN is left out of that metric's mean (e.g. verl's token-mean loss of a part in which every
+token was rejected: 0/0), and the metric is NaN (null in JSON) when every part's was. Kept sequences:
+sequences with at least one kept token.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+
+from mismatch_lab.corrections.frameworks import Preset, Tokens
+from mismatch_lab.corrections.layout import chunks, pair_info
+
+COLUMNS = ("preset", "framework", "default", "rollout", "scorer", "n_tokens", "n_seqs", "kept_token_share",
+           "kept_seq_share", "advantage_source", "metrics")
+"""The columns of the `presets` table (`metrics`: {the framework's metric name: value})."""
+
+
+@dataclass
+class _Sums:
+    tokens: int = 0
+    kept: int = 0
+    seqs: int = 0
+    seqs_kept: int = 0
+    metric_sums: dict[str, float] = field(default_factory=dict)
+    metric_tokens: dict[str, int] = field(default_factory=dict)
+
+    def add(self, mask, keep, metrics: dict[str, float]) -> None:
+        n = int(mask.sum())
+        self.tokens += n
+        self.kept += int((keep & mask).sum())
+        self.seqs += int(mask.any(-1).sum())
+        self.seqs_kept += int((keep & mask).any(-1).sum())
+        for name, value in metrics.items():
+            self.metric_sums.setdefault(name, 0.0)
+            self.metric_tokens.setdefault(name, 0)
+            if not math.isnan(value):
+                self.metric_sums[name] += n * value
+                self.metric_tokens[name] += n
+
+    def metrics(self) -> dict[str, float]:
+        return {k: self.metric_sums[k] / self.metric_tokens[k] if self.metric_tokens[k] else math.nan
+                for k in self.metric_sums}
+
+
+def evaluate(preset: Preset, batch) -> tuple[object, dict[str, float]]:
+    """(keep [B, T] bool, metrics) of `preset` on one laid-out batch (corrections.batch.Batch)."""
+    import torch
+
+    def run(adv):
+        with torch.no_grad():
+            return preset(Tokens(batch.lp, batch.lp, batch.lmu, adv, batch.mask))
+
+    if batch.adv is not None:
+        result = run(batch.adv)
+        return result.keep, result.metrics
+    one = torch.where(batch.mask, 1.0, 0.0).to(batch.lp.dtype)
+    up, down = run(one), run(-one)
+    return up.keep & down.keep, up.metrics
+
+
+def run_presets(con, presets: Sequence[Preset], *, chunk_tokens: int = 1 << 20,
+                progress: Callable[[int, int], None] | None = None) -> pd.DataFrame:
+    """The `presets` table (COLUMNS) of the store on `con`: one row per preset and pair, presets in the
+    given order."""
+    info = pair_info(con)
+    sums = {(p.name, i): _Sums() for p in presets for i in range(len(info))}
+    for chunk in chunks(con, info, chunk_tokens=chunk_tokens, progress=progress):
+        groups = np.zeros(chunk.n, dtype=np.int64)
+        for part in chunk.parts(groups, 1, np.zeros(len(chunk.seq_start), dtype=np.int64)):
+            for p in presets:
+                keep, metrics = evaluate(p, part.batch)
+                sums[(p.name, chunk.pair)].add(part.batch.mask, keep, metrics)
+    rows = []
+    for p in presets:
+        for i, pair in enumerate(info.itertuples()):
+            s = sums[(p.name, i)]
+            rows.append((p.name, p.framework, p.default, pair.rollout, pair.scorer, s.tokens, s.seqs,
+                         s.kept / s.tokens if s.tokens else math.nan,
+                         s.seqs_kept / s.seqs if s.seqs else math.nan, pair.advantage_source, s.metrics()))
+    return pd.DataFrame(rows, columns=list(COLUMNS))
+
+
+def format_presets(table: pd.DataFrame) -> str:
+    """Per preset and pair: one line of kept shares, then the logged metrics, two to a line."""
+    lines = []
+    for row in table.itertuples():
+        lines.append(f"{row.preset}  {row.rollout} × {row.scorer}: kept tokens {_pct(row.kept_token_share)}, "
+                     f"kept sequences {_pct(row.kept_seq_share)}  ({row.n_tokens:,} tokens, {row.n_seqs:,} "
+                     f"sequences; advantage: {row.advantage_source})")
+        cells = [f"{k} = {v:.6g}" for k, v in row.metrics.items()]
+        width = max((len(c) for c in cells), default=0)
+        for i in range(0, len(cells), 2):
+            lines.append("    " + "  ".join(c.ljust(width) for c in cells[i:i + 2]).rstrip())
+    return "\n".join(lines)
+
+
+def _pct(x: float) -> str:
+    return "n/a" if math.isnan(x) else f"{100 * x:.2f}%"
+
+
+def presets_json(table: pd.DataFrame) -> list[dict]:
+    """The table as JSON rows, non-finite numbers (metrics included) as null."""
+    def plain(v):
+        if isinstance(v, dict):
+            return {k: plain(x) for k, x in v.items()}
+        if isinstance(v, (np.integer, np.bool_)):
+            return v.item()
+        if isinstance(v, (float, np.floating)):
+            return float(v) if math.isfinite(v) else None
+        return v
+
+    return [{k: plain(v) for k, v in row.items()} for row in table.to_dict("records")]
+
+
+def list_presets(presets: Sequence[Preset]) -> str:
+    """The --list-presets listing: per preset its name, framework, whether it is the framework's default,
+    source, formula and settings."""
+    lines = []
+    for p in presets:
+        settings = ", ".join(f"{k}={v}" for k, v in p.settings.items()) or "(the framework's defaults)"
+        lines += [f"{p.name}  [framework {p.framework}{', default' if p.default else ''}]",
+                  f"    source:   {p.source}", f"    formula:  {p.summary}", f"    settings: {settings}"]
+    return "\n".join(lines)
