@@ -2,31 +2,31 @@
 trl/trainer/grpo_trainer.py: `_generate_and_score_completions` builds the correction, `_compute_loss` the loss).
 
 What TRL does, in the project's notation (μ the rollout engine, π_old the trainer at the rollout's weights, π the
-trainer now; m the response mask; A one advantage per sequence):
+trainer now; ρ = π/π_old; w the rollout IS weight; m the response mask; A one advantage per sequence):
 
-  correction   d_t = (log π_old − log μ)·m_t with NaN set to 0. Token modes: ρ_t = exp(d_t); sequence modes:
-               one ρ = exp(Σ_t d_t) per sequence (the product ratio, not a per-token ratio).
-               *_truncate: ρ ← clamp(ρ, clip_min, clip_max) (no lower bound when clip_min is None);
-               *_mask: ρ ← 0 where ρ < clip_min or ρ > clip_max (a missing bound is no bound) — the kept
-               tokens keep ρ itself as their weight, so sequence_mask weights a kept sequence by its product ratio.
-  ratio        c = exp(log π − log π_old) per token, or per sequence exp(mean_t (log π − log π_old)) when
+  correction   d_t = (log π_old − log μ)·m_t with NaN set to 0. Token modes: w_t = exp(d_t); sequence modes:
+               one w = exp(Σ_t d_t) per sequence (the product ratio, not a per-token ratio).
+               *_truncate: w ← clamp(w, clip_min, clip_max) (no lower bound when clip_min is None);
+               *_mask: w ← 0 where w < clip_min or w > clip_max (a missing bound is no bound) — the kept
+               tokens keep w itself, so sequence_mask weights a kept sequence by its product ratio.
+  ratio        ρ = exp(log π − log π_old) per token, or per sequence exp(mean_t (log π − log π_old)) when
                importance_sampling_level = 'sequence' (GSPO).
-  per token    grpo/bnpo/dr_grpo/dapo: ℓ = −min(c' A, clip(c, 1−ε, 1+ε_high) A) with c' = min(c, δ) when delta is
-               set (two-sided clip), c' = c otherwise; cispo: ℓ = −sg(min(c, ε_high)) A log π;
-               sapo: ℓ = −σ(τ(c − 1))·4/τ · A with τ = τ_pos where A > 0, τ_neg otherwise.
+  per token    grpo/bnpo/dr_grpo/dapo: ℓ = −min(ρ' A, clip(ρ, 1−ε, 1+ε_high) A) with ρ' = min(ρ, δ) when delta is
+               set (two-sided clip), ρ' = ρ otherwise; cispo: ℓ = −sg(min(ρ, ε_high)) A log π;
+               sapo: ℓ = −σ(τ(ρ − 1))·4/τ · A with τ = τ_pos where A > 0, τ_neg otherwise.
                OPSM (off_policy_mask_threshold δ_o): ℓ ← 0 on a sequence with A < 0 and
                mean_t (log μ − log π) > δ_o (TRL compares μ with the current π, not π_old).
-               Then ℓ ← ℓ · ρ (the correction above; ρ = 0 drops the token).
+               Then ℓ ← ℓ · w (the correction above; w = 0 drops the token).
   loss         grpo, sapo: mean over sequences of Σ_t ℓ m / max(Σ_t m, 1); bnpo: Σ ℓ m / max(Σ m, 1);
                dr_grpo: Σ ℓ m / (B · max_completion_length); dapo, cispo: Σ ℓ m / max(N, 1), N the batch's
                response tokens (one process, gradient accumulation 1).
 
-Result.weight is ρ on the response tokens (the rollout weight; the ratio c lives in the loss and its gradient).
-Result.keep drops the tokens ρ masks and the sequences OPSM masks; PPO clipping is not a mask.
+Result.weight is w on the response tokens (the ratio ρ lives in the loss and its gradient).
+Result.keep drops the tokens w masks and the sequences OPSM masks; PPO clipping is not a mask.
 Metrics under TRL's names: sampling/sampling_logp_difference/{mean,max} (|log π_old − log μ| over response
-tokens, NaN left out), sampling/importance_sampling_ratio/{min,mean,max} (after truncation or masking; per
-sequence in sequence modes, per response token otherwise), clip_ratio/* (grpo family; TRL counts them in float32)
-and cispo_clip_ratio.
+tokens, NaN left out), sampling/importance_sampling_ratio/{min,mean,max} (w after truncation or masking; per
+sequence in sequence modes, per response token otherwise), clip_ratio/* (grpo family; TRL counts them in
+float32) and cispo_clip_ratio.
 """
 
 from __future__ import annotations
@@ -184,9 +184,8 @@ def grpo_loss(t: Tokens, s: Mapping[str, Any]) -> Result:
 
 
 def _mode_summary(mode: str) -> str:
-    unit = "the sequence's product ratio ρ = exp(Σ log π_old/μ)" if mode.startswith("sequence_") else \
-        "ρ = π_old/μ per token"
-    how = "truncated at 3" if mode.endswith("_truncate") else "dropped above 3, kept tokens weighted by ρ"
+    unit = "w = exp(Σ log π_old/μ) per sequence" if mode.startswith("sequence_") else "w = π_old/μ per token"
+    how = "truncated at 3" if mode.endswith("_truncate") else "0 above 3 (kept tokens keep w)"
     return f"{unit}, {how}"
 
 
@@ -195,12 +194,12 @@ def _preset(name: str, summary: str, default: bool = False, **settings: Any) -> 
 
 
 _LOSS_SUMMARY = {
-    "dapo": "−min(c A, clip(c, 1±0.2) A)·ρ summed over the batch's tokens / token count",
-    "grpo": "−min(c A, clip(c, 1±0.2) A)·ρ, token mean per sequence, then mean over sequences",
-    "bnpo": "−min(c A, clip(c, 1±0.2) A)·ρ, token mean over the batch",
-    "dr_grpo": "−min(c A, clip(c, 1±0.2) A)·ρ summed / (B · max_completion_length)",
-    "cispo": "−sg(min(c, 5)) A log π · ρ summed / token count",
-    "sapo": "−σ(τ(c − 1))·4/τ · A · ρ, token mean per sequence, then mean over sequences",
+    "dapo": "−min(ρA, clip(ρ, 1±0.2)A)·w summed over the batch's response tokens / their count",
+    "grpo": "−min(ρA, clip(ρ, 1±0.2)A)·w, token mean per sequence, then mean over sequences",
+    "bnpo": "−min(ρA, clip(ρ, 1±0.2)A)·w, token mean over the batch",
+    "dr_grpo": "−min(ρA, clip(ρ, 1±0.2)A)·w summed / (B · max_completion_length)",
+    "cispo": "−sg(min(ρ, 5))·A·log π·w summed / token count",
+    "sapo": "−σ(τ(ρ − 1))·4/τ·A·w, τ = 1 (A > 0) / 1.05, token mean per sequence, then mean over sequences",
 }
 _LOSS_SETTINGS: dict[str, dict[str, Any]] = {"cispo": {"epsilon_high": 5.0}}
 """cispo: TRL's documented recommendation ε_high = 5 (its default, ε_high = ε = 0.2, would cap c at 0.2)."""
@@ -213,19 +212,19 @@ def _presets() -> tuple[Preset, ...]:
             out.append(_preset(f"{kind}-{mode}", f"{_LOSS_SUMMARY[kind]}; {_mode_summary(mode)}",
                                default=(kind, mode) == ("dapo", "sequence_mask"), loss_type=kind,
                                vllm_importance_sampling_mode=mode, **_LOSS_SETTINGS.get(kind, {})))
-        out.append(_preset(f"gspo-{mode}", "GSPO: c = exp(mean_t log π/π_old) per sequence, clip [1 − 3e-4, "
-                           f"1 + 4e-4], multiplied by the vLLM ρ; {_mode_summary(mode)}", loss_type="grpo",
+        out.append(_preset(f"gspo-{mode}", "GSPO: ρ = exp(mean_t log π/π_old) per sequence, clip [1 − 3e-4, "
+                           f"1 + 4e-4], × w; {_mode_summary(mode)}", loss_type="grpo",
                            importance_sampling_level="sequence", epsilon=3e-4, epsilon_high=4e-4,
                            vllm_importance_sampling_mode=mode))
     out.append(_preset("dapo-sequence_mask-opsm", "the default plus OPSM: a sequence with A < 0 and "
                        "mean(log μ − log π) > 0.5 is dropped (TRL's documented example value)",
                        off_policy_mask_threshold=0.5))
-    out.append(_preset("dapo-token_mask-band", "the default loss with token_mask on [0.5, 5] (clip_min 0.5, "
-                       "clip_max 5: IcePop's band): tokens with π_old/μ outside dropped, kept ones weighted by it",
+    out.append(_preset("dapo-token_mask-band", "the default loss with w = π_old/μ per token, 0 outside [0.5, 5] "
+                       "(clip_min 0.5, clip_max 5: IcePop's band)",
                        vllm_importance_sampling_mode="token_mask", vllm_importance_sampling_clip_min=0.5,
                        vllm_importance_sampling_clip_max=5.0))
-    out.append(_preset("dapo-sequence_mask-two_sided", "the default with the two-sided clip: c capped at "
-                       "δ = 4 where A < 0 (INTELLECT-2's value)", delta=4.0))
+    out.append(_preset("dapo-sequence_mask-two_sided", "the default with the two-sided clip: the unclipped ρ "
+                       "capped at δ = 4, which binds where A < 0 (INTELLECT-2's value)", delta=4.0))
     return tuple(out)
 
 
