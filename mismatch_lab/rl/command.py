@@ -35,7 +35,9 @@ _HELP = {
     "out": "checkpoint directory (default runs/, git-ignored)",
     "minibatches": "optimizer steps per rollout batch (default 1: on-policy up to the mismatch)",
     "preset": "named recipe: none (default), dr_grpo (no std normalisation, constant normaliser = max tokens), "
-              "dapo (dynamic sampling, eps-high 0.28, token-mean, overlong cache = max tokens / 5)",
+              "dapo (dynamic sampling, eps-high 0.28, token-mean, overlong cache = max tokens / 5); or a framework "
+              "preset, e.g. verl/decoupled_geo_rs: that framework's own loss replaces --loss (`mismatch-lab "
+              "corrections --list-presets`)",
     "dynamic_sampling": "DAPO dynamic sampling: drop groups whose rewards are all equal and sample more (default false)",
     "max_rounds": "dynamic sampling: at most this many generation rounds per step (default 4)",
     "overlong_cache": "DAPO soft overlong punishment: L_cache in tokens (default 0 = off)",
@@ -76,10 +78,10 @@ def add_arguments(parser) -> None:
 def _choices(name: str):
     from mismatch_lab.corrections.registry import CORRECTIONS, OBJECTIVES
     from mismatch_lab.engines.weights import ROUNDINGS
-    from mismatch_lab.rl.recipes import PRESETS
 
-    return {"loss": list(OBJECTIVES), "correction": list(CORRECTIONS), "preset": list(PRESETS),
-            "split_scorer": list(ROUNDINGS)}.get(name)
+    # --preset: a recipe (PRESETS) or a framework preset; TrainConfig.validate checks it (listing the framework
+    # presets here would import torch for every command)
+    return {"loss": list(OBJECTIVES), "correction": list(CORRECTIONS), "split_scorer": list(ROUNDINGS)}.get(name)
 
 
 def load_config(args) -> TrainConfig:

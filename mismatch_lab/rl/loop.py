@@ -87,7 +87,9 @@ class TrainConfig:
     study: str = "adhoc"
     kv_cache_mb: int = 1024
     # recipes (mismatch_lab/rl/recipes.py): a named preset, DAPO dynamic sampling and soft overlong punishment
-    preset: str = "none"  # none, dr_grpo, dapo: sets its fields where they are still at their defaults
+    # none, dr_grpo, dapo: sets its fields where they are still at their defaults; or a framework preset
+    # (e.g. verl/decoupled_geo_rs, `mismatch-lab corrections --list-presets`): that framework's loss code is the loss
+    preset: str = "none"
     dynamic_sampling: bool = False  # drop all-equal-reward groups and sample more (DAPO)
     max_rounds: int = 4  # dynamic sampling: generation rounds per step at most
     overlong_cache: int = 0  # L_cache of the soft overlong punishment (0 = off)
@@ -138,7 +140,11 @@ class TrainConfig:
         )
         from mismatch_lab.rl.recipes import apply_preset
 
-        apply_preset(self)
+        if self.framework_preset() is None:
+            apply_preset(self)
+        elif self.minibatches != 1:
+            raise UserError(f"--preset {self.preset} needs --minibatches 1: a framework's loss reads π_old from "
+                            "before the step's first update, which the loop does not keep past one mini-batch")
         from mismatch_lab.rl.tasks import TASKS
 
         if self.loss not in OBJECTIVES:
@@ -182,11 +188,47 @@ class TrainConfig:
             raise UserError(f"--topk {self.topk} must be in 1..20 (vLLM returns at most 20 log-probs)")
         self.loss_config()
 
+    def framework_preset(self):
+        """The framework preset `preset` names ('<framework>/<name>'), else None (a recipe); UserError for an
+        unknown one."""
+        if "/" not in str(self.preset):
+            return None
+        from mismatch_lab.corrections import frameworks
+
+        try:
+            return frameworks.get(self.preset)
+        except ValueError as exc:
+            raise UserError(f"--preset: {exc}") from None
+
     def run_id(self) -> str:
         from mismatch_lab.runtime import config_key, run_identity
 
         key = config_key(run_identity(self, leave_out=_NOT_IN_RUN_ID, unless_default=_IN_RUN_ID_UNLESS_DEFAULT))
         return f"{self.study}-train-{self.loss}-{key}"
+
+
+def framework_loss(preset, lp, lmu, adv, mask, metrics: dict[str, float]) -> tuple:
+    """`train --preset <framework>/<name>`: the framework's own loss on one mini-batch, π_old = π before the
+    update (the loop's one mini-batch), μ = the rollout's log-probs, A [B] broadcast over the tokens.
+    `metrics` (the objective's, from policy_loss) keep their loss-independent diagnostics (mismatch/, ratio/,
+    counts); loss/value and mask/* then describe the preset (mask: tokens its masks drop) and its own metrics
+    are added as framework/<the framework's name>."""
+    import torch
+
+    from mismatch_lab.corrections.frameworks import Tokens
+
+    advantages = torch.where(mask, adv.to(lp.dtype)[:, None], torch.zeros((), dtype=lp.dtype))
+    result = preset(Tokens(lp, lp.detach(), lmu.to(lp.dtype), advantages, mask))
+    dropped, nonzero = mask & ~result.keep, mask & (advantages != 0)
+    n_nonzero = max(int(nonzero.sum()), 1)
+    out = dict(metrics) | {
+        "loss/value": float(result.loss.detach()),
+        "mask/all/frac": float(dropped.sum()) / max(int(mask.sum()), 1),
+        "mask/nonzero_adv/frac": float((dropped & nonzero).sum()) / n_nonzero,
+        "mask/negative_adv/frac": float((dropped & (advantages < 0)).sum()) / n_nonzero,
+        "mask/positive_adv/frac": float((dropped & (advantages > 0)).sum()) / n_nonzero,
+    }
+    return result.loss, out | {f"framework/{k}": float(v) for k, v in result.metrics.items()}
 
 
 def coerce(cfg: TrainConfig) -> TrainConfig:

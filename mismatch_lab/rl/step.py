@@ -215,6 +215,11 @@ def train_on_batch(model, optimizer, batch: Batch, cfg, loss_cfg, *, topk: bool,
             with timed(times, "loss"):  # policy_loss forward only (inside time/score): the objective's own cost
                 loss, lm = policy_loss(cfg.loss, lp, batch.logp_mu[sl, :T_m], batch.adv[sl], batch.mask[sl, :T_m],
                                        cfg=loss_cfg, topk=tk, logp_old=lp.detach() if cfg.anchor == "old" else None)
+                if cfg.framework_preset() is not None:  # train --preset <framework>/<name>: its own loss
+                    from mismatch_lab.rl.loop import framework_loss
+
+                    loss, lm = framework_loss(cfg.framework_preset(), lp, batch.logp_mu[sl, :T_m], batch.adv[sl],
+                                              batch.mask[sl, :T_m], lm)
         with timed(times, "update"):
             out.grad_norms.append(update(model, optimizer, loss, cfg.max_grad_norm))
         lm["sequences/valid/count"] = float(batch.mask[sl].any(-1).sum())

@@ -137,3 +137,69 @@ def test_bad_preset_arguments_exit_2_with_one_line_naming_the_fix(bad, says, cap
 def test_corrections_without_a_store_asks_for_one(capsys):
     assert main(["corrections", "--preset", "verl/default"]) == 2
     assert "pass --db STORE" in capsys.readouterr().err
+
+
+def _train_batch():
+    """A step's rollout of 4 sequences in 2 groups (rewards 1/0: advantages ±), as the loop builds it."""
+    import torch
+
+    from mismatch_lab.engines.base import Sample
+    from mismatch_lab.rl import step as parts
+
+    lengths = [3, 5, 2, 4]
+    samples = [Sample(token_ids=list(range(3, 3 + n)), logps=[-1.0] * n, text="", finish_reason="stop")
+               for n in lengths]
+    rows = [{"seq_id": i, "prompt_id": f"p{i // 2}", "sample_idx": i % 2, "prompt_len": 3} for i in range(4)]
+    batch = parts.make_batch(samples, rows, [[1, 2, 4]] * 4, [1.0, 0.0, 0.0, 1.0], group_size=2, normalize_std=True)
+    return batch, torch, parts
+
+
+def _model(tiny_model):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+
+
+def test_train_preset_trains_with_the_frameworks_own_loss_and_logs_its_metrics(tiny_model):
+    """`train --preset verl/...`: the mini-batch's loss is the preset's on (π, π_old = π, μ, A); a bypass
+    Geo-RS preset whose band every sequence misses leaves the model untouched, verl's default moves it."""
+    from mismatch_lab.corrections.frameworks import Tokens, get
+    from mismatch_lab.rl.loop import TrainConfig, response_logps
+
+    batch, torch, parts = _train_batch()
+    model, _ = _model(tiny_model)
+    with torch.no_grad():
+        lp, _, _, _ = response_logps(model, batch.prompt_ids, batch.responses, trainer_dtype="fp32")
+    T = lp.shape[1]
+    batch.logp_mu[:, :T] = torch.where(batch.mask[:, :T], lp - 0.5, 0.0)  # μ 0.5 nats below π on every token
+    for name, moves in (("verl/bypass_pg_geo_rs", False), ("verl/default", True)):
+        model, opt = _model(tiny_model)
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        cfg = TrainConfig(loss="grpo", preset=name)
+        cfg.validate()
+        scored = parts.train_on_batch(model, opt, batch, cfg, cfg.loss_config(), topk=False, times={})
+        m = scored.minibatch_metrics[0]
+        mask = batch.mask[:, :T]
+        adv = torch.where(mask, batch.adv[:, None], 0.0)
+        lp_b = scored.logp_before[:, :T]
+        expected = get(name)(Tokens(lp_b, lp_b, batch.logp_mu[:, :T], adv, mask))
+        assert m["loss/value"] == pytest.approx(float(expected.loss), rel=1e-6, abs=1e-12)
+        assert {f"framework/{k}" for k in expected.metrics} <= set(m)
+        changed = any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+        assert changed is moves, name
+        if not moves:
+            assert m["framework/rollout_corr/rollout_rs_masked_fraction"] == 1.0 and m["mask/all/frac"] == 1.0
+
+
+def test_train_preset_refuses_an_unknown_framework_preset_and_several_minibatches():
+    from mismatch_lab.errors import UserError
+    from mismatch_lab.rl.loop import TrainConfig
+
+    with pytest.raises(UserError, match="--list-presets"):
+        TrainConfig(preset="verl/nonsense").validate()
+    with pytest.raises(UserError, match="--minibatches 1"):
+        TrainConfig(preset="verl/default", minibatches=2).validate()
+    assert TrainConfig(preset="verl/default").run_id() != TrainConfig().run_id()
