@@ -18,6 +18,7 @@ FORMATS: dict[str, str] = {
     "prime-rl": "mismatch_lab.importers.prime_rl",
     "slime": "mismatch_lab.importers.slime",
     "jsonl": "mismatch_lab.importers.jsonl",
+    "nemo-rl": "mismatch_lab.importers.nemo_rl",
 }
 
 

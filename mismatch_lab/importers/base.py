@@ -10,6 +10,7 @@ An importer module (see `importers.FORMATS`) provides
     add_arguments(parser)          its own options
     discover(path, args)           -> Discovery: the source files, the default run name, notes
     read(source, args)             -> iterator of flat.FlatBatch (UserError naming file:line on bad input)
+    summary_notes(sources) (optional) -> lines for the summary (e.g. the framework's own metrics, from Source.facts)
 
 Rules kept here for all formats:
 * dedup: a source file's shards are named `import-<first 16 hex digits of the sha256 of its bytes>`
@@ -64,6 +65,7 @@ class Source:
     found: frozenset[bytes] = frozenset()  # which of the format's PROBES occur in the file (set by the driver)
     listed: bool = False  # found by listing a folder (not named by the user): a file of another kind may be skipped
     skipped: str | None = None  # set by `read` when it skipped the file (why): a note in the summary
+    facts: dict = field(default_factory=dict)  # set by `read`: what the format's `summary_notes` reports
 
 
 @dataclass
@@ -320,6 +322,7 @@ def _import_locked(root: Path, run_id: str, fmt: str, module, args, disc: Discov
     stager = _Stager(shards.Transaction(root), root, run_id, summary)
     try:
         _stage(stager, module, fmt, args, disc, texts, done, progress)
+        summary.notes += getattr(module, "summary_notes", lambda sources: [])(disc.sources)  # format's own metrics
         if disc.sources and all(src.skipped for src in disc.sources):
             raise UserError(f"no {fmt} file to import under {path}: {'; '.join(summary.notes)}")
         stager.tx.sync()  # the slow part of the commit, while an interrupt still undoes everything
