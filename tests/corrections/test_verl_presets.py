@@ -154,8 +154,10 @@ def assert_tensors(ours: torch.Tensor, theirs: torch.Tensor, where: torch.Tensor
 
 def check(verl, tokens, preset_settings, loss_fn=V.verl_loss):
     t = inputs.fresh(tokens)
+    torch.manual_seed(0)  # clip_cov draws its tokens with torch.randperm: the same draw on both sides
     ours = loss_fn(t, preset_settings)
     ours.loss.backward()
+    torch.manual_seed(0)
     loss, grad, mask, weights, metrics = run_verl(verl, tokens, preset_settings)
     assert same(float(ours.loss.detach()), float(loss)), (float(ours.loss.detach()), float(loss))
     assert_tensors(t.logp.grad, grad, tokens.mask, "d loss / d log π")
@@ -203,6 +205,15 @@ def test_every_rejection_option_matches_verl(verl, tokens, rs):
     for bypass in (False, True):
         check(verl, tokens, {"rollout_is": "token", "rollout_rs": rs, "rollout_rs_threshold": threshold,
                              "bypass_mode": bypass, "loss_type": "reinforce"})
+
+
+@pytest.mark.parametrize("settings", [{"loss_mode": "kl_cov", "kl_cov_ratio": 0.05},
+                                      {"loss_mode": "clip_cov", "clip_cov_ratio": 0.05},
+                                      {"loss_mode": "clip_cov", "clip_cov_ratio": 0.05, "rollout_is": "token"}])
+def test_the_covariance_losses_match_verl_when_they_select_hundreds_of_tokens(verl, tokens, settings):
+    ours, _, _ = check(verl, tokens, settings)
+    if settings["loss_mode"] == "clip_cov":
+        assert int((tokens.mask & ~ours.keep).sum()) > 100
 
 
 def test_every_rollout_correction_classmethod_of_verl_has_a_preset_with_its_settings(verl):

@@ -484,8 +484,50 @@ def geo_mean(a: Actor, s: Mapping[str, Any]):
     return torch.mean(losses), weight, None, metrics
 
 
+def clip_cov(a: Actor, s: Mapping[str, Any]):
+    """Clip-Cov (compute_policy_loss_clip_cov): PPO-clip without dual clip and without the ±20 clamp, plus:
+    among response tokens the clip left alone whose covariance (A − mean A)(log π − mean log π) lies in
+    (clip_cov_lb, clip_cov_ub), max(1, ⌊clip_cov_ratio·n⌋) drawn at random (torch.randperm: the global RNG, as
+    verl draws them) lose their loss (a mask). pg_clipfrac = share of those; no pg_clipfrac_lower."""
+    log_ratio = a.lp - a.old
+    ratio = torch.exp(log_ratio)
+    plain = -a.adv * ratio
+    clipped = -a.adv * torch.clamp(ratio, 1 - s["clip_ratio_low"], 1 + s["clip_ratio_high"])
+    lp = a.lp.detach()
+    cov = (a.adv - _mean(a.adv, a.m)) * (lp - _mean(lp, a.m))
+    cov = cov.masked_fill(~a.m, -math.inf).masked_fill((clipped > plain) & a.m, -math.inf)
+    n_drop = max(int(s["clip_cov_ratio"] * a.m.sum().item()), 1)
+    picks = torch.nonzero((cov < s["clip_cov_ub"]) & (cov > s["clip_cov_lb"]) & a.m)
+    if len(picks) > 0:
+        picks = picks[torch.randperm(len(picks))[: min(n_drop, len(picks))]]
+    kept = torch.ones_like(a.adv)
+    kept[picks[:, 0], picks[:, 1]] = 0
+    losses = a.weigh(torch.maximum(plain, clipped) * kept)
+    metrics = {"actor/pg_clipfrac": _item(_share(kept == 0, a.m)), "actor/ppo_kl": _item(_mean(-log_ratio, a.m))}
+    return aggregate(losses, a, s["loss_agg_mode"]), a.times_w(ratio), kept != 0, metrics
+
+
+def kl_cov(a: Actor, s: Mapping[str, Any]):
+    """KL-Cov (compute_policy_loss_kl_cov): L = −A·ρ (ρ unclamped, no clip), and on the max(1,
+    ⌊kl_cov_ratio·n⌋) response tokens of largest covariance (A − mean A)(log π − mean log π) (plain means over
+    the response tokens) L = −A·ρ + ppo_kl_coef·|log ρ|. Logs only ppo_kl = mean |log ρ|."""
+    log_ratio = a.lp - a.old
+    ratio = torch.exp(log_ratio)
+    plain = -a.adv * ratio
+    penalised = -a.adv * ratio + s["ppo_kl_coef"] * log_ratio.abs()
+    flat = torch.nonzero(a.m.reshape(-1), as_tuple=True)[0]
+    adv, lp = a.adv[a.m].detach(), a.lp[a.m].detach()
+    chosen = torch.zeros(a.m.numel(), dtype=torch.bool)
+    if min(s["kl_cov_ratio"], len(adv)) != 0:
+        cov = (adv - adv.mean()) * (lp - lp.mean())
+        chosen[flat[torch.topk(cov, max(1, int(len(cov) * s["kl_cov_ratio"])), largest=True).indices]] = True
+    losses = a.weigh(torch.where(chosen.view_as(a.m), penalised, plain))
+    metrics = {"actor/ppo_kl": _item(_mean(log_ratio.abs(), a.m))}
+    return aggregate(losses, a, s["loss_agg_mode"]), a.times_w(ratio), None, metrics
+
+
 POLICY_LOSSES = {"vanilla": vanilla, "dppo_tv": dppo_tv, "dppo_kl": dppo_kl, "gspo": gspo, "sapo": sapo,
-                 "gpg": gpg, "cispo": cispo, "geo_mean": geo_mean}
+                 "gpg": gpg, "cispo": cispo, "geo_mean": geo_mean, "clip_cov": clip_cov, "kl_cov": kl_cov}
 """policy_loss.loss_mode -> the loss above: (Actor, settings) -> (loss, weight, extra keep mask or None,
 metrics)."""
 
@@ -593,6 +635,10 @@ _LOSSES: dict[str, tuple[dict[str, Any], str]] = {
     "gpg": ({"loss_mode": "gpg"}, "−A·log π (no ratio)"),
     "cispo": ({"loss_mode": "cispo"}, "−A·sg(clip(π/π_old, 0.8, 1.2))·log π"),
     "geo_mean": ({"loss_mode": "geo_mean"}, "GMPO: −Ā·exp(mean of sign-clipped log π/π_old) per sequence"),
+    "clip_cov": ({"loss_mode": "clip_cov"},
+                 "PPO-clip 0.2 (no dual clip); max(1, ⌊2e-4·n⌋) random unclipped tokens, cov(A, log π) in (1, 5), dropped"),
+    "kl_cov": ({"loss_mode": "kl_cov"},
+               "−A·π/π_old; + 0.1·|log π/π_old| on the max(1, ⌊2e-4·n⌋) tokens of largest cov(A, log π)"),
 }
 
 
