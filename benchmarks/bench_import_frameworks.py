@@ -3,6 +3,7 @@ response tokens each.
 
     .venv/bin/python benchmarks/bench_import_frameworks.py                          # nemo-rl, 10 M tokens
     .venv/bin/python benchmarks/bench_import_frameworks.py --format nemo-rl --tokens 1000000 --keep benchmarks/out/nemo
+    .venv/bin/python benchmarks/bench_import_frameworks.py --format skyrl                 # SkyRL pickles, 10 M tokens
 
 nemo-rl: `train_data_step<N>.jsonl` files written the way NeMo-RL's Logger writes them
 (tests/importers/framework_writers/nemo_rl.py: one line per sample, every value wrapped in a list once
@@ -11,6 +12,10 @@ more, `json.dumps` default separators, float32 values as Python floats): GRPO st
 the step's longest (2056 positions: token_ids, token_loss_mask, advantages, generation_logprobs,
 prev_logprobs), a few NaN log-probs. To write the JSON quickly the lines of a pool of 256 distinct samples
 are reused (in an order shifted per step) under each line's own `idx`: the importer parses every byte of every line all the same.
+
+skyrl: `global_step_<N>_training_input.pkl` pickles written by tests/importers/framework_writers/skyrl.py
+(SkyRL's TrainingInputBatch serialization): steps of 512 samples, prompt 256, response 200-1800 tokens,
+[512, 2056] sequences and [512, 1800] response-level float32 tensors.
 
 The import runs as the real command in a fresh process (`python -m mismatch_lab.cli import FORMAT`),
 timed from start to exit; printed: tokens/s, the figure against the goal of 10 M tokens in under 60 s,
@@ -93,7 +98,36 @@ def write_nemo(out: Path, tokens: int, seed: int = 0) -> tuple[int, int, int]:
     return written, lines, size
 
 
-WRITERS = {"nemo-rl": (write_nemo, [])}
+def write_skyrl(out: Path, tokens: int, seed: int = 0) -> tuple[int, int, int]:
+    """EXPORT/dumped_data/global_step_<N>_training_input.pkl, pickled as SkyRL's TrainingInputBatch.save
+    does (tests/importers/framework_writers/skyrl.py); returns (response tokens, samples, bytes)."""
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "importers"))
+    from framework_writers.skyrl import save
+
+    rng = np.random.default_rng(seed)
+    written = samples = size = step = 0
+    T = PROMPT + RESPONSE[1]
+    while written < tokens:
+        step += 1
+        R = rng.integers(*RESPONSE, size=GROUP)
+        col = np.arange(RESPONSE[1])
+        resp = (col[None, :] >= (RESPONSE[1] - R)[:, None]).astype(np.int64)
+        mu = np.where(resp > 0, -rng.exponential(0.6, resp.shape), 0).astype(np.float32)
+        pi = np.where(resp > 0, np.minimum(mu + rng.normal(0, 0.02, resp.shape), 0), 0).astype(np.float32)
+        seqs = rng.integers(1, 151_000, size=(GROUP, T))
+        attn = (np.arange(T)[None, :] >= (T - PROMPT - R)[:, None]).astype(np.int64)
+        fields = {"sequences": seqs, "attention_mask": attn, "response_mask": resp, "loss_mask": resp.astype(np.float32),
+                  "rollout_logprobs": mu, "action_log_probs": pi, "base_action_log_probs": pi,
+                  "advantages": np.where(resp > 0, rng.normal(size=(GROUP, 1)), 0).astype(np.float32)}
+        path = save({k: torch.from_numpy(v) for k, v in fields.items()}, {"pad_size": 0},
+                    out / "dumped_data" / f"global_step_{step}_training_input.pkl")
+        written, samples, size = written + int(R.sum()), samples + GROUP, size + path.stat().st_size
+    return written, samples, size
+
+
+WRITERS = {"nemo-rl": (write_nemo, []), "skyrl": (write_skyrl, ["--trust-pickle"])}
 """format -> (writer of the dump, extra import arguments)."""
 
 

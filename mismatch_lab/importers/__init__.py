@@ -19,6 +19,7 @@ FORMATS: dict[str, str] = {
     "slime": "mismatch_lab.importers.slime",
     "jsonl": "mismatch_lab.importers.jsonl",
     "nemo-rl": "mismatch_lab.importers.nemo_rl",
+    "skyrl": "mismatch_lab.importers.skyrl",
 }
 
 
