@@ -44,6 +44,7 @@ SUBCOMMANDS = {
     "corrections": ("mismatch_lab.corrections.command",
                     "every correction method (verl, TRL, slime, prime-rl, DPPO, ...) on the same tokens of a store"),
     "doctor": ("mismatch_lab.doctor.command", "verdicts on each rollout/trainer pair against published bands; a CI gate"),
+    "layers": ("mismatch_lab.layers.command", "per-layer relative error of a bf16/fp16 model against fp32 on the same tokens"),
 }
 
 

@@ -1,0 +1,94 @@
+"""The layers of a transformers causal LM, found from its architecture, and forward hooks capturing them.
+
+A model maps when `model.<base_model_prefix>` holds a ModuleList of blocks under one of ATTRIBUTES["blocks"],
+each block an attention and an MLP submodule under ATTRIBUTES["attn"] / ["mlp"], the base a final norm
+under ATTRIBUTES["norm"], and `get_input_embeddings()` / `get_output_embeddings()` answer (Llama, Qwen2/3,
+Mistral, Gemma: `model.layers[i].self_attn`, `.mlp`, `model.norm`, `lm_head`; GPT-2: `transformer.h[i].attn`,
+`.mlp`, `transformer.ln_f`). Anything else is a UserError naming what was missing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mismatch_lab.errors import UserError
+
+ATTRIBUTES = {
+    "blocks": ("layers", "h", "blocks"),
+    "attn": ("self_attn", "attn", "self_attention", "attention"),
+    "mlp": ("mlp", "feed_forward", "ffn"),
+    "norm": ("norm", "final_layernorm", "ln_f", "final_norm"),
+}
+"""role -> the attribute names tried, in order, for that role."""
+KINDS = ("embed", "attn", "mlp", "norm", "logits")
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One measured point: `name` ('embed', 'attn.3', 'mlp.3', 'norm', 'logits'), its kind (KINDS), the block
+    index (None outside the blocks), the module's path in the model and the module itself."""
+
+    name: str
+    kind: str
+    index: int | None
+    path: str
+    module: object
+
+
+def _child(parent, role: str, arch: str, where: str):
+    for attr in ATTRIBUTES[role]:
+        found = getattr(parent, attr, None)
+        if found is not None:
+            return found
+    raise UserError(f"{arch}: no {role} module under {where} (tried {', '.join(ATTRIBUTES[role])}); "
+                    "`layers` maps Llama/Qwen/Mistral/Gemma/GPT-2-style models, pass one of those")
+
+
+def find_layers(model) -> list[Layer]:
+    """The measured layers of `model` in input-to-output order: embed, attn.i and mlp.i per block, norm,
+    logits. UserError for an architecture that does not map (module doc)."""
+    import torch
+
+    arch = type(model).__name__
+    base = getattr(model, getattr(model, "base_model_prefix", ""), None)
+    if base is None:
+        raise UserError(f"{arch}: no base model under `base_model_prefix`; pass a causal LM of transformers")
+    blocks = _child(base, "blocks", arch, "the base model")
+    if not isinstance(blocks, torch.nn.ModuleList):
+        raise UserError(f"{arch}: the blocks are not a ModuleList; `layers` cannot map this architecture")
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if embed is None or head is None:
+        raise UserError(f"{arch}: no input embeddings or output head; pass a causal LM with an lm_head")
+    points = [("embed", "embed", None, embed)]
+    for i, block in enumerate(blocks):
+        points += [(f"attn.{i}", "attn", i, _child(block, "attn", arch, f"block {i}")),
+                   (f"mlp.{i}", "mlp", i, _child(block, "mlp", arch, f"block {i}"))]
+    points += [("norm", "norm", None, _child(base, "norm", arch, "the base model")), ("logits", "logits", None, head)]
+    paths = {id(m): name for name, m in model.named_modules()}
+    return [Layer(name, kind, index, paths.get(id(m), "?"), m) for name, kind, index, m in points]
+
+
+class Capture:
+    """Forward hooks on `layers` keeping each module's last output as a float64 [T, D] tensor (batch of one
+    sequence; a tuple output counts by its first element, the sublayer's output before the residual add).
+    Use as a context manager: the hooks are removed on exit."""
+
+    def __init__(self, layers: list[Layer]):
+        self.layers = layers
+        self.outputs: dict[str, object] = {}
+        self._handles = []
+
+    def _hook(self, name: str):
+        def keep(module, inputs, output):
+            out = output[0] if isinstance(output, tuple) else output
+            self.outputs[name] = out.detach().reshape(-1, out.shape[-1]).double()
+        return keep
+
+    def __enter__(self) -> Capture:
+        self._handles = [layer.module.register_forward_hook(self._hook(layer.name)) for layer in self.layers]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
