@@ -11,8 +11,10 @@ must not be shared across threads.
 The heavy analyses (precision, volatility, clipping, worst sequences: ~1-3 s each on a 1M-token store
 with 2 cores) are named once below (`precision_of`, `volatility_of`, ...) and computed for the pages'
 default settings by a background warm-up thread as soon as a store is opened, so the first visit of
-a page usually finds them cached. MISMATCH_LAB_APP_WARMUP=0 turns the warm-up off (the benchmark's
-cold measurements).
+a page usually finds them cached. The warm-up gives way to the pages: it starts a query only once no page
+has queried for `_PageQueries.QUIET_S`. MISMATCH_LAB_APP_WARMUP=0 turns the warm-up off (the benchmark's
+cold measurements). The Corrections page of a large store opens on a sample of its prompt groups
+(`corrections_view`) until the comparison of every token, the warm-up's last step, is cached.
 
 Lifetimes. Every query runs on a cursor registered with the thread running it (`_Store.using`), so that
 another thread can interrupt it: DuckDB's `interrupt()` acts on one connection, and a cursor is a
@@ -126,6 +128,48 @@ _STORES: weakref.WeakSet = weakref.WeakSet()  # every open store of this process
 _WARM_UPS: weakref.WeakSet = weakref.WeakSet()  # every warm-up thread started
 
 
+class _PageQueries:
+    """The queries that pages run (not the warm-up's), so that the warm-up waits while a page queries: on 2
+    cores a warm-up pass beside a page's first query doubled the page's wait. A warm-up query starts only
+    once no page query has run for QUIET_S (the gap between two queries of one page run is shorter)."""
+
+    QUIET_S = 0.75
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._running = 0
+        self._last = -math.inf
+
+    @contextlib.contextmanager
+    def running(self):
+        with self._cond:
+            self._running += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._running -= 1
+                self._last = time.monotonic()
+                self._cond.notify_all()
+
+    def wake(self) -> None:
+        """Wake the waiting warm-ups (one was asked to stop)."""
+        with self._cond:
+            self._cond.notify_all()
+
+    def wait_quiet(self, warm_up: _WarmUp) -> None:
+        """Block the warm-up until pages have been quiet for QUIET_S, or it is asked to stop."""
+        with self._cond:
+            while not warm_up.stopping:
+                idle = time.monotonic() - self._last
+                if not self._running and idle >= self.QUIET_S:
+                    return
+                self._cond.wait(self.QUIET_S if self._running else self.QUIET_S - idle)
+
+
+_PAGE_QUERIES = _PageQueries()
+
+
 class _Store:
     """One open store: its read-only connection and the cursors taken from it.
 
@@ -175,8 +219,11 @@ class _Store:
     def using(self, cur=None):
         """A cursor for this thread's queries: `cur` (one of `held_cursor`) or a fresh one, closed after."""
         thread = threading.current_thread()
+        warm_up = isinstance(thread, _WarmUp)
+        if warm_up:
+            _PAGE_QUERIES.wait_quiet(thread)
         with self._lock:
-            if isinstance(thread, _WarmUp) and thread.stopping:
+            if warm_up and thread.stopping:
                 raise _Stopped
             if self.con is None or self._closing or (cur is not None and id(cur) not in self._held):
                 raise StoreClosed("the store was closed")
@@ -185,7 +232,8 @@ class _Store:
                 cur = self.con.cursor()
             self._busy[id(cur)] = (cur, thread)
         try:
-            yield cur
+            with contextlib.nullcontext() if warm_up else _PAGE_QUERIES.running():
+                yield cur
         finally:
             with self._lock:
                 del self._busy[id(cur)]
@@ -299,7 +347,93 @@ def corrections_of(path: str | None = None):
 
     if _call(path or store(), pair_info).empty:
         return None
-    return _call(path or store(), compare, overrides=None)
+    tables = _call(path or store(), compare, overrides=None)
+    _EXACT_DONE[(path or store(), ())] = time.monotonic()  # the page shows it from now on
+    return tables
+
+
+# --- the Corrections page on a sample of a large store ---------------------------------------------------
+
+CORRECTIONS_SAMPLE_TOKENS = 50_000
+"""A store with more tokens than this opens the Corrections page on a sample of its prompt groups (about
+this many tokens) until the comparison of every token is cached (the warm-up's last step, or on demand):
+every method of the registry on 1 M tokens and 3 pairs costs ~50 CPU seconds on a 2-core EPYC."""
+_EXACT_DONE: dict[tuple, float] = {}  # (path, overrides) -> when the comparison of every token was last returned
+
+
+def _frozen(overrides) -> tuple:
+    return tuple(sorted((m, tuple(sorted(p.items()))) for m, p in (overrides or {}).items()))
+
+
+def _sampled(cur, every: int):
+    """`cur` with temporary views `sequences`, `tokens`, `scores` that keep the prompt groups (run, step,
+    prompt id: the partition of the derived group advantage, so no sequence's advantage changes) whose hash
+    falls in 1 of `every`, with all their sequences, tokens and scores. The views live with the cursor."""
+    from mismatch_lab.analysis.relations import col, table_columns
+
+    db = cur.execute("SELECT current_database()").fetchone()[0].replace('"', '""')
+    qc = table_columns(cur, "sequences")
+    key = f"hash(q.run_id, {col(qc, 'q', 'step', 'INTEGER')}, {col(qc, 'q', 'prompt_id', 'VARCHAR')})"
+    cur.execute(f'CREATE TEMP VIEW sequences AS SELECT q.* FROM "{db}".main.sequences q WHERE {key} % {int(every)} = 0')
+    for table in ("tokens", "scores"):
+        cur.execute(f'CREATE TEMP VIEW {table} AS SELECT x.* FROM "{db}".main.{table} x '
+                    "SEMI JOIN sequences q ON q.run_id = x.run_id AND q.seq_id = x.seq_id")
+    return cur
+
+
+def sample_size(con) -> dict:
+    """Sequences and tokens on `con` (the whole store, or a sample of `_sampled`)."""
+    n_seqs, n_tokens = con.execute("SELECT (SELECT count(*) FROM sequences), (SELECT count(*) FROM tokens)").fetchone()
+    return {"sequences": int(n_seqs), "tokens": int(n_tokens)}
+
+
+@st.cache_data(ttl=TTL_S, show_spinner="Querying a sample…", max_entries=512)
+def _cached_sample(path: str, every: int, module: str, name: str, args: tuple, kwargs: tuple):
+    fn = getattr(importlib.import_module(module), name)
+    return _on_store(path, lambda cur: fn(_sampled(cur, every), *args, **dict(kwargs)))
+
+
+def corrections_sample_every(path: str | None = None) -> int:
+    """1 for a store of at most CORRECTIONS_SAMPLE_TOKENS tokens, else the sampling stride of its prompt groups."""
+    n = _call(path or store(), sample_size)["tokens"]
+    return max(1, math.ceil(n / CORRECTIONS_SAMPLE_TOKENS))
+
+
+def corrections_view(overrides=None, exact: bool = False):
+    """(tables, sample) for the Corrections page: every method on every token when `exact`, when the store is
+    small, or when that comparison is already cached (sample None); else the comparison of a sample of prompt
+    groups, with `sample` = {every, sequences, tokens, store_sequences, store_tokens, background}. (None, None):
+    no pair."""
+    from mismatch_lab.corrections.compare import compare
+    from mismatch_lab.corrections.layout import pair_info
+
+    path = store()
+    every = corrections_sample_every(path)
+    done = _EXACT_DONE.get((path, _frozen(overrides)), -math.inf) > time.monotonic() - TTL_S
+    if exact or every == 1 or done:
+        tables = corrections_of(path) if not overrides else _call(path, compare, overrides=overrides)
+        if tables is not None:
+            _EXACT_DONE[(path, _frozen(overrides))] = time.monotonic()
+        return tables, None
+    if _cached_sample(path, every, pair_info.__module__, "pair_info", (), ()).empty:
+        return corrections_view(overrides, exact=True)  # the sample missed every pair: the whole store
+    kwargs = (("overrides", overrides or None),)
+    tables = _cached_sample(path, every, compare.__module__, "compare", (), kwargs)
+    sample = _cached_sample(path, every, __name__, "sample_size", (), ())
+    whole = _call(path, sample_size)
+    background = not overrides and os.environ.get("MISMATCH_LAB_APP_WARMUP", "1") != "0"  # the warm-up's last step
+    return tables, {"every": every, **sample, "store_sequences": whole["sequences"], "store_tokens": whole["tokens"],
+                    "background": background}
+
+
+def dropped_tokens_of(method: str, rollout: str, scorer: str, overrides=None, every: int = 1):
+    """The tokens `method` drops on the pair, on the same tokens as the comparison shown (a sample: `every`)."""
+    from mismatch_lab.corrections.dropped import dropped_tokens
+
+    if every == 1:
+        return query(dropped_tokens, method, rollout, scorer, overrides=overrides or None)
+    kwargs = (("overrides", overrides or None),)
+    return _cached_sample(store(), every, dropped_tokens.__module__, "dropped_tokens", (method, rollout, scorer), kwargs)
 
 
 class _PairRows:
@@ -422,6 +556,7 @@ class _WarmUp(threading.Thread):
     def stop(self, timeout: float = STOP_TIMEOUT_S) -> bool:
         """No further query; the one in flight interrupted; joined. True when the thread has ended."""
         self.stopping = True
+        _PAGE_QUERIES.wake()
         if threading.current_thread() is self:
             return False
         deadline = time.monotonic() + timeout

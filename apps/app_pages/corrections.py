@@ -15,9 +15,8 @@ import streamlit as st
 
 from mismatch_lab.analysis import definitions
 from mismatch_lab.corrections.command import parse_overrides
-from mismatch_lab.corrections.compare import compare, variants
-from mismatch_lab.corrections.dropped import dropped_sequences, dropped_tokens
-from mismatch_lab.corrections.layout import pair_info
+from mismatch_lab.corrections.compare import variants
+from mismatch_lab.corrections.dropped import dropped_sequences
 from mismatch_lab.corrections.report import TOKEN_SUMS, rates
 from mismatch_lab.errors import UserError
 
@@ -106,12 +105,22 @@ if items:
     else:
         st.caption("Overrides applied: " + ", ".join(f"{m}.{k}={x:g}" for m, p in overrides.items() for k, x in p.items()))
 
-if lab_ui.query(pair_info).empty:  # (compare() needs at least one pair)
-    st.info("No scored tokens yet: the comparison needs a rollout and at least one scorer.")
-    st.stop()
-tables = lab_ui.query(compare, overrides=overrides) if overrides else lab_ui.corrections_of()  # (warmed)
-main = tables["corrections"]
-if main.empty:
+exact = st.toggle("Every token", key="corr_exact",
+                  help="compare the methods on every token of the store (a large store opens on a sample of its "
+                  "prompt groups until that comparison is cached: the app's warm-up computes it in the background)")
+tables, sample = lab_ui.corrections_view(overrides, exact)  # (warmed)
+if sample is not None:
+    st.info(
+        f"Computed on a sample: {sample['tokens']:,} of the store's {sample['store_tokens']:,} tokens "
+        f"({sample['sequences']:,} of {sample['store_sequences']:,} sequences), the prompt groups whose hash falls in "
+        f"1 of {sample['every']} (groups kept whole, so derived advantages are unchanged). Every number below is "
+        "of the sample. "
+        + ("The comparison of every token is computed in the background and replaces it at the next interaction "
+           "once done; switch on *Every token* to wait for it." if sample["background"] else
+           "Switch on *Every token* to compare the methods on every token (computed now, then cached).")
+    )
+main = tables["corrections"] if tables is not None else None
+if main is None or main.empty:  # (compare() needs at least one pair)
     st.info("No scored tokens yet: the comparison needs a rollout and at least one scorer.")
     st.stop()
 
@@ -203,7 +212,7 @@ if not droppers:
 lab_ui.keep_valid("corr_method", droppers)
 method = st.selectbox("Method", droppers, key="corr_method",
                       help="the methods that drop at least one token of this pair (whole pair, no filter)")
-tokens = lab_ui.query(dropped_tokens, method, rollout, scorer, overrides=overrides or None)
+tokens = lab_ui.dropped_tokens_of(method, rollout, scorer, overrides, every=sample["every"] if sample else 1)
 seqs = dropped_sequences(tokens)
 st.caption(
     f"{method} drops {len(tokens):,} of {n_tokens:,} tokens in {len(seqs):,} sequences "
