@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import duckdb
 import pandas as pd
 
+from mismatch_lab.analysis.summary import WIDTH
 from mismatch_lab.doctor.checks import BY_NAME, GATES, run_checks
 from mismatch_lab.doctor.measure import Measurements
 from mismatch_lab.doctor.recommend import recommendations
@@ -138,7 +139,8 @@ def advice_lines(dx: Diagnosis, width: int | None = None, limit: int | None = No
     shown = dx.recommendations[:limit]
     lines = [f"  - {a['advice']}: {a['because']}" if because else f"  - {a['advice']}" for a in shown]
     if width is not None:
-        lines = [w for line in lines for w in textwrap.wrap(line, width, subsequent_indent="    ")]
+        lines = [w for line in lines for w in textwrap.wrap(line, width, subsequent_indent="    ",
+                                                             break_long_words=False, break_on_hyphens=False)]
     rest = len(dx.recommendations) - len(shown)
     return lines + ([f"  ... and {rest} more: `mismatch-lab doctor`"] if rest else [])
 
@@ -164,7 +166,7 @@ def _pair_matrix(dx: Diagnosis) -> list[str]:
     head = ["pair", "verdict", "mean|Δp| verl", "k3 prime-rl", "seq|Δlogp| slime", "≠ bitwise", "health"]
     lines = [[p, pair_verdict(c), *(_cell(c.get(g)) for g in GATED), health(c)] for p, c in by.items()]
     widths = [max(len(str(x[i])) for x in [head, *lines]) for i in range(len(head))]
-    return ["  ".join(str(x).ljust(w) for x, w in zip(row, widths)) for row in [head, *lines]]
+    return ["  ".join(str(x).ljust(w) for x, w in zip(row, widths)).rstrip() for row in [head, *lines]]
 
 
 def _notes(dx: Diagnosis) -> list[str]:
@@ -181,7 +183,7 @@ def _notes(dx: Diagnosis) -> list[str]:
 
 def text_report(dx: Diagnosis) -> str:
     """The one-screen report: a pair matrix of the framework checks, the other findings, the advice, what
-    was not measured, and the gate's result."""
+    was not measured, and the gate's result; lines longer than WIDTH wrapped (the matrix never is)."""
     lines = [f"doctor: {dx.store}"]
     lines += [f"  {BY_NAME[g].title}: {BY_NAME[g].band.text} ({BY_NAME[g].band.source})" for g in GATED]
     lines += ["  health: the worst of the weight-health and non-finite checks (verl's illustrative levels)",
@@ -199,7 +201,14 @@ def text_report(dx: Diagnosis) -> str:
         lines += ["", "not measured:", *(f"  {', '.join(c)}: needs {k}" for k, c in needs.items())]
     lines.append("")
     lines.append(_gate_line(dx))
-    return "\n".join(lines)
+    return "\n".join(wrapped for line in lines for wrapped in _wrap(line))
+
+
+def _wrap(line: str) -> list[str]:
+    """`line` within WIDTH characters, continued with 4 spaces; words (paths, commands) never split."""
+    if len(line) <= WIDTH:
+        return [line]
+    return textwrap.wrap(line, WIDTH, subsequent_indent="    ", break_long_words=False, break_on_hyphens=False)
 
 
 def _gate_line(dx: Diagnosis) -> str:
