@@ -131,6 +131,12 @@ def run(args: argparse.Namespace) -> int:
     if args.check:
         raise UserError("--check reads the shards of a recorded/imported run store; a DuckDB file checks itself "
                         "when it is opened")
+    if path.is_file() and path.name == "study.toml":
+        path = path.parent
+    if path.is_dir() and not (path / "results").is_dir():
+        from mismatch_lab.store.reader import study_duckdb
+
+        path = study_duckdb(path) or path  # a study folder holding its <name>.duckdb, as every reader opens it
     if path.is_dir() or path.suffix != ".duckdb":
         raise UserError(f"--db {path} is not a .duckdb file; runs are listed and dropped in the study's DuckDB "
                         "store (Parquet results are an export of it)")

@@ -66,7 +66,9 @@ def test_unknown_run_a_parquet_folder_or_a_busy_store_get_a_one_line_error(two_r
     assert main(["runs", "--db", str(db), "--drop", "nope"]) == 2
     err = capsys.readouterr().err
     assert "no run 'nope'" in err and "synthetic-0-vllm-bf16" in err
-    assert main(["runs", "--db", str(tmp_path)]) == 2
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["runs", "--db", str(empty)]) == 2
     assert "not a .duckdb file" in capsys.readouterr().err
     holder = subprocess.Popen(
         [sys.executable, "-c",
@@ -80,3 +82,11 @@ def test_unknown_run_a_parquet_folder_or_a_busy_store_get_a_one_line_error(two_r
         holder.kill()
         holder.wait()
     assert ("runs", "synthetic-0-vllm-bf16") in _counts(db)  # the refused drop removed nothing
+
+
+def test_a_study_folder_holding_its_duckdb_lists_the_runs_of_that_file(two_run_store, capsys):
+    folder = two_run_store.path.parent  # what `collect --study <folder>/study.toml` leaves: <folder>/<name>.duckdb
+    (folder / "study.toml").write_text("")
+    for db in (folder, folder / "study.toml"):
+        assert main(["runs", "--db", str(db)]) == 0
+        assert "synthetic-1-vllm-fp32" in capsys.readouterr().out
