@@ -4,6 +4,7 @@ response tokens each.
     .venv/bin/python benchmarks/bench_import_frameworks.py                          # nemo-rl, 10 M tokens
     .venv/bin/python benchmarks/bench_import_frameworks.py --format nemo-rl --tokens 1000000 --keep benchmarks/out/nemo
     .venv/bin/python benchmarks/bench_import_frameworks.py --format skyrl                 # SkyRL pickles, 10 M tokens
+    .venv/bin/python benchmarks/bench_import_frameworks.py --format miles                 # miles per-rank dumps, 10 M tokens
 
 nemo-rl: `train_data_step<N>.jsonl` files written the way NeMo-RL's Logger writes them
 (tests/importers/framework_writers/nemo_rl.py: one line per sample, every value wrapped in a list once
@@ -16,6 +17,9 @@ are reused (in an order shifted per step) under each line's own `idx`: the impor
 skyrl: `global_step_<N>_training_input.pkl` pickles written by tests/importers/framework_writers/skyrl.py
 (SkyRL's TrainingInputBatch serialization): steps of 512 samples, prompt 256, response 200-1800 tokens,
 [512, 2056] sequences and [512, 1800] response-level float32 tensors.
+
+miles: `train_data/<rollout_id>_<rank>.pt` written by tests/importers/framework_writers/miles.py (miles'
+save_debug_train_data_for_rank): rollouts of 512 samples over 2 data-parallel ranks, per-sample tensors.
 
 The import runs as the real command in a fresh process (`python -m mismatch_lab.cli import FORMAT`),
 timed from start to exit; printed: tokens/s, the figure against the goal of 10 M tokens in under 60 s,
@@ -127,7 +131,31 @@ def write_skyrl(out: Path, tokens: int, seed: int = 0) -> tuple[int, int, int]:
     return written, samples, size
 
 
-WRITERS = {"nemo-rl": (write_nemo, []), "skyrl": (write_skyrl, ["--trust-pickle"])}
+def write_miles(out: Path, tokens: int, seed: int = 0) -> tuple[int, int, int]:
+    """DIR/train_data/<rollout_id>_<rank>.pt as miles' --dump-details writes them
+    (tests/importers/framework_writers/miles.py), 2 data-parallel ranks; returns (tokens, samples, bytes)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "importers"))
+    from framework_writers.miles import write_rollout
+
+    rng = np.random.default_rng(seed)
+    written = n = size = rid = 0
+    while written < tokens:
+        samples = []
+        for i in range(GROUP):
+            R = int(rng.integers(*RESPONSE))
+            mu = (-rng.exponential(0.6, R)).astype(np.float32)
+            samples.append({"sample_index": rid * GROUP + i, "tokens": rng.integers(1, 151_000, PROMPT + R),
+                            "loss_mask": np.ones(R, dtype=np.int32), "mu": mu,
+                            "pi": np.minimum(mu + rng.normal(0, 0.02, R), 0).astype(np.float32),
+                            "adv": np.full(R, rng.normal(), dtype=np.float32), "reward": 1.0, "P": PROMPT, "R": R})
+            written += R
+        paths = write_rollout(out, rid, samples, dp=2, pp=1)
+        n, size, rid = n + GROUP, size + sum(p.stat().st_size for p in paths), rid + 1
+    return written, n, size
+
+
+WRITERS = {"nemo-rl": (write_nemo, []), "skyrl": (write_skyrl, ["--trust-pickle"]),
+           "miles": (write_miles, ["--trust-pickle"])}
 """format -> (writer of the dump, extra import arguments)."""
 
 

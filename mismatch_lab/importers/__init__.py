@@ -20,6 +20,7 @@ FORMATS: dict[str, str] = {
     "jsonl": "mismatch_lab.importers.jsonl",
     "nemo-rl": "mismatch_lab.importers.nemo_rl",
     "skyrl": "mismatch_lab.importers.skyrl",
+    "miles": "mismatch_lab.importers.miles",
 }
 
 

@@ -1,0 +1,127 @@
+"""miles' per-rank train-data dumps (`--dump-details DIR`): DIR/train_data/<rollout_id>_<rank>.pt.
+
+Source of the format (radixark/miles, commit 31f1ca961a94cb860cec3b2dea34ec332bfa8f76):
+* `miles/utils/arguments.py`: `--dump-details DIR` sets `save_debug_train_data` to
+  `DIR/train_data/{rollout_id}_{rank}.pt`;
+* `miles/utils/train_dump_utils.py` `save_debug_train_data_for_rank`: every rank (data, tensor, pipeline
+  and context parallel) writes `torch.save({"rollout_id", "rank", "rollout_data", "cp_rank", "cp_size",
+  "qkv_format"})` after training on the rollout (`miles/backends/megatron_utils/actor.py`,
+  `fsdp_utils/actor.py`);
+* `miles/backends/training_utils/data.py` `get_rollout_data`: `rollout_data` holds the rank's
+  data-parallel share as per-sample lists: `tokens` (prompt + response), `loss_masks` (response length),
+  `rollout_log_probs` (mu), `log_probs` (pi: the actor's forward before the update, `compute_log_prob`,
+  on the last pipeline stage only), `advantages`, `returns`, `rewards`, `response_lengths`,
+  `total_lengths`, `sample_indices`, ...; the per-token fields other than loss_masks are the rank's
+  context-parallel slice (`slice_log_prob_with_cp`);
+* `miles/dashboard/dump_reader.py` (`_build_train_row`, `_resolve_per_token_fields`): miles' own reader
+  joins a sample's rows across the rank files (tensor-parallel peers hold copies, pipeline stages other
+  fields) by `sample_indices`, as this importer does.
+The other dumps of --dump-details carry no log pi per token: `dashboard_columns/rollout_*.parquet`
+(tokens, loss_mask, rollout_log_probs) and `rollout_data/` lack it, and `policy_loss_debug/*.pt` (per
+loss call: train/old/rollout log-probs) lacks token ids and the rollout id.
+
+One Source per rollout: the file of its lowest rank, the other ranks' files read with it (`Source.facts`);
+the dedup digest is that first file's. Context-parallel dumps (cp_size > 1) are refused: their slices
+would have to be reassembled (miles `assemble_log_prob_from_cp`). miles writes 0.0 placeholders into
+masked rollout log-prob slots: only loss-mask positions are stored.
+
+What is read -> where it goes (per sample, through `slime._batch`):
+    rollout_id                                   sequences.step
+    tokens[total - response:]                    tokens.token_id
+    loss_masks                                   the stored positions
+    rollout_log_probs / log_probs                tokens.logp_rollout / scores.logp (scorer 'miles:<dtype>')
+    entropy                                      scores.entropy
+    advantages                                   tokens.advantage and sequences.advantage (mean)
+    rewards                                      sequences.reward (raw_reward is batch-global in rollout order:
+                                                 placing it needs the rollout dump; not read)
+    total_lengths - response_lengths             sequences.prompt_len
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from mismatch_lab.errors import UserError
+from mismatch_lab.importers import slime
+from mismatch_lab.importers.base import Discovery, Source
+
+FRAMEWORK = "miles"
+HELP = "miles --dump-details train dumps: DIR/train_data/<rollout_id>_<rank>.pt (torch.save; needs --trust-pickle)"
+EXPECTED = "the per-rank train dumps of --dump-details: DIR/train_data/<rollout_id>_<rank>.pt, given as DIR or its train_data folder"
+RANK_FILE = re.compile(r"^(\d+)_(\d+)\.pt$")
+PER_SAMPLE = ("tokens", "response_lengths", "total_lengths", "loss_masks", "rewards")
+"""Fields every holder of a sample carries in full."""
+PER_TOKEN = ("rollout_log_probs", "log_probs", "advantages", "entropy")
+"""Fields taken from the first rank (in rank order) holding them: pipeline stages differ in what they hold."""
+add_arguments = slime.add_arguments
+
+
+def discover(path: Path, args) -> Discovery:
+    if not getattr(args, "trust_pickle", False):
+        raise UserError("miles dumps are Python pickles (torch.save) and loading a pickle can run any code it "
+                        f"contains: pass --trust-pickle to load the files under {path} if you trust them")
+    if path.is_file():
+        raise UserError(f"{path}: pass the --dump-details folder or its train_data folder (a rollout's samples are "
+                        "spread over the files of every rank)")
+    folder = path / "train_data" if (path / "train_data").is_dir() else path
+    rollouts: dict[int, list[tuple[int, Path]]] = {}
+    for p in folder.iterdir():
+        m = RANK_FILE.match(p.name)
+        if m:
+            rollouts.setdefault(int(m.group(1)), []).append((int(m.group(2)), p))
+    sources = []
+    for rid, files in sorted(rollouts.items()):
+        files.sort()
+        sources.append(Source(files[0][1], step=rid, facts={"files": [p for _, p in files]}))
+    run_name = folder.parent.name if folder.name == "train_data" else folder.name
+    return Discovery(sources=sources, run_name=run_name)
+
+
+def _load(path: Path, step: int) -> dict:
+    import torch  # only the pickle importers need torch
+
+    try:
+        pack = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as exc:  # a truncated or foreign file: torch/pickle raise many kinds
+        raise UserError(f"{path}: cannot be loaded with torch.load ({type(exc).__name__}: {exc})") from exc
+    if not isinstance(pack, dict) or not isinstance(pack.get("rollout_data"), dict):
+        raise UserError(f"{path}: not a miles train dump (no 'rollout_data' dict; a slime format_version 2 dump "
+                        "is read by `mismatch-lab import slime`)")
+    if pack.get("rollout_id") is not None and slime._whole(pack["rollout_id"], str(path), "rollout_id") != step:
+        raise UserError(f"{path}: rollout_id {pack['rollout_id']} differs from the file name's {step}")
+    if int(pack.get("cp_size") or 1) > 1:
+        raise UserError(f"{path}: a context-parallel dump (cp_size {pack['cp_size']}): its per-token fields are "
+                        "per-rank slices, which this importer does not reassemble yet; dump with cp_size 1")
+    return pack["rollout_data"]
+
+
+def _samples(files: list[Path], step: int) -> list[dict]:
+    """One dict per sample_index (in index order), joined over the rank files."""
+    joined: dict[int, dict] = {}
+    for path in files:
+        data = _load(path, step)
+        indices = data.get("sample_indices")
+        if indices is None:
+            raise UserError(f"{path}: field 'sample_indices' is missing")
+        for row, index in enumerate(indices):
+            sample = joined.setdefault(int(slime._scalar(index)), {"_where": f"{path}: row {row}"})
+            for key in (*PER_SAMPLE, *PER_TOKEN):
+                values = data.get(key)
+                if values is not None and sample.get(key) is None:
+                    if len(values) != len(indices):
+                        raise UserError(f"{path}: field {key!r} has {len(values)} rows, sample_indices {len(indices)}")
+                    sample[key] = values[row]
+    return [joined[i] for i in sorted(joined)]
+
+
+def read(src: Source, args):
+    samples = _samples(src.facts["files"], src.step)
+    if not samples:
+        return
+    for s in samples:
+        if s.get("log_probs") is None:
+            raise UserError(f"{s['_where']}: field 'log_probs' is missing in every rank's file (miles computes the "
+                            "actor's log-probs unless --skip-actor-forward-only, or --use-rollout-logprobs without "
+                            "--get-mismatch-metrics; without them there is no trainer log pi to compare)")
+    yield slime._batch(src.path, samples, src.step, 0, None)

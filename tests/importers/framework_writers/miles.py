@@ -1,0 +1,80 @@
+"""Write miles `--dump-details DIR` train dumps exactly as miles writes them.
+
+Follows radixark/miles at commit 31f1ca961a94cb860cec3b2dea34ec332bfa8f76:
+* `miles/utils/train_dump_utils.py` `save_debug_train_data_for_rank`: per rank,
+  `torch.save(dict(rollout_id=, rank=, rollout_data=, cp_rank=, cp_size=, qkv_format=), path)` at
+  `DIR/train_data/{rollout_id}_{rank}.pt` (the template `miles/utils/arguments.py` sets for --dump-details);
+* `miles/backends/training_utils/data.py` `get_rollout_data`: `rollout_data` is the rank's data-parallel
+  share as per-sample lists (`tokens` LongTensor, `loss_masks` IntTensor, `rollout_log_probs` float32
+  tensors, `rewards`, `response_lengths`, `total_lengths`, `sample_indices`, batch-global `raw_reward`);
+  `log_probs` / `advantages` / `returns` are added by the actor (`compute_log_prob`, on the last pipeline
+  stage only); tensor-parallel peers hold copies (`miles/dashboard/dump_reader.py` joins them).
+The tensors live on the GPU when miles saves them; here on the CPU (the importer loads with
+map_location="cpu" either way). miles writes 0.0 into masked rollout log-prob slots.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+def rollout_samples(seed: int, n: int = 6) -> list[dict]:
+    """n samples of one rollout: prompt + response tokens, loss mask with a hole (0.0 placeholders in
+    rollout_log_probs there), a NaN rollout log-prob, trainer log-probs and advantages."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        P, R = int(rng.integers(2, 6)), int(rng.integers(3, 9))
+        mask = np.ones(R, dtype=np.int32)
+        mu = np.log(rng.uniform(0.05, 1.0, R)).astype(np.float32)
+        if i == 1:
+            mask[1] = 0
+            mu[1] = 0.0  # miles' placeholder in a masked slot
+        if i == 2:
+            mu[-1] = np.nan
+        pi = np.minimum(mu + rng.normal(0, 0.05, R), 0).astype(np.float32)
+        out.append({"sample_index": 10 * seed + i, "tokens": rng.integers(1, 50_000, P + R), "loss_mask": mask,
+                    "mu": mu, "pi": pi, "adv": np.full(R, rng.normal(), dtype=np.float32),
+                    "reward": float(rng.integers(0, 2)), "P": P, "R": R})
+    return out
+
+
+def write_rollout(dump_dir: Path, rollout_id: int, samples: list[dict], *, dp: int = 2, pp: int = 2, tp: int = 1,
+                  cp_size: int = 1) -> list[Path]:
+    """One file per rank (rank = (dp_rank * pp + pp_stage) * tp + tp_rank): the dp_rank's share of the
+    samples, log_probs / advantages only on the last pipeline stage."""
+    paths = []
+    for rank in range(dp * pp * tp):
+        dp_rank, stage = rank // (pp * tp), (rank // tp) % pp
+        share = samples[dp_rank::dp]
+        data = {"tokens": [torch.tensor(s["tokens"], dtype=torch.long) for s in share],
+                "loss_masks": [torch.tensor(s["loss_mask"], dtype=torch.int) for s in share],
+                "rollout_log_probs": [torch.tensor(s["mu"]) for s in share],
+                "rewards": [s["reward"] for s in share], "raw_reward": [s["reward"] for s in samples],
+                "response_lengths": [s["R"] for s in share], "total_lengths": [s["P"] + s["R"] for s in share],
+                "sample_indices": [s["sample_index"] for s in share]}
+        if stage == pp - 1:
+            data["log_probs"] = [torch.tensor(s["pi"]) for s in share]
+            data["advantages"] = [torch.tensor(s["adv"]) for s in share]
+            data["returns"] = [torch.tensor(s["adv"]) for s in share]
+        path = dump_dir / "train_data" / f"{rollout_id}_{rank}.pt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"rollout_id": rollout_id, "rank": rank, "rollout_data": data, "cp_rank": 0, "cp_size": cp_size,
+                        "qkv_format": "thd"}, path)
+        paths.append(path)
+    return paths
+
+
+def naive(samples: list[dict], step: int) -> list[dict]:
+    """Per stored sample (in sample_index order) by a plain loop over the loss mask."""
+    out = []
+    for s in sorted(samples, key=lambda s: s["sample_index"]):
+        keep = [t for t in range(s["R"]) if s["loss_mask"][t]]
+        out.append({"step": step, "pos": [t - keep[0] for t in keep], "prompt_len": s["P"],
+                    "token_id": [int(s["tokens"][s["P"] + t]) for t in keep], "reward": s["reward"],
+                    "mu": [float(s["mu"][t]) for t in keep], "pi": [float(s["pi"][t]) for t in keep],
+                    "adv": [float(s["adv"][t]) for t in keep]})
+    return out
