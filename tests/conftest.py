@@ -90,5 +90,9 @@ def signalled_cli():
 def pytest_collection_modifyitems(config, items):
     """TRL's colocated engine, when freed, tears down vLLM's process-wide parallel state, which breaks
     every in-process engine made before it (`pipeline model parallel group is not initialized`): the TRL
-    integration tests run last."""
+    integration tests run last, and under pytest-xdist (`-n 2 --dist loadgroup`, README command (2)) all in
+    one worker, handed out as the last unit of work."""
     items.sort(key=lambda item: "integrations" in item.path.parts)
+    for item in items:
+        if "integrations" in item.path.parts:
+            item.add_marker(pytest.mark.xdist_group("integrations"))
