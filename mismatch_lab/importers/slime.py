@@ -140,7 +140,8 @@ def read(src: Source, args):
         if rollout_dump:
             hint = " (this looks like a rollout dump, --save-debug-rollout-data; pass the train_data dumps)"
         elif isinstance(payload, dict) and "rollout_data" in payload:
-            hint = " (an older per-rank train dump; this importer reads slime's format_version 2)"
+            hint = (" (a per-rank train dump, as miles' --dump-details writes: mismatch-lab import miles "
+                    f"{path.parent.parent if path.parent.name == 'train_data' else path.parent} --out STORE --trust-pickle)")
         raise UserError(f"{path}: not a slime train-data dump of format_version {FORMAT_VERSION} "
                         f"(format_version {found!r}){hint}")
     for key in ("rollout_id", "samples"):

@@ -83,3 +83,9 @@ def test_context_parallel_dumps_and_missing_trainer_logprobs_are_one_line_errors
     code, _, err = cli("import", "miles", tmp_path / "nolp", "--out", tmp_path / "store")
     assert code == 2 and "--trust-pickle" in err
     assert not (tmp_path / "store").exists()
+
+
+def test_import_slime_on_a_miles_dump_names_the_miles_importer(cli, tmp_path):
+    write_rollout(tmp_path / "dump", 0, rollout_samples(1), pp=1)
+    code, _, err = cli("import", "slime", tmp_path / "dump", "--out", tmp_path / "store", "--trust-pickle")
+    assert code == 2 and f"mismatch-lab import miles {tmp_path / 'dump'} --out STORE" in err, err
