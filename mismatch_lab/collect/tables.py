@@ -98,7 +98,8 @@ def _scores(run_id: str, name: str, sc: ScoredTokens, keys) -> pa.Table:
     opt = lambda v: floats(v)[0] if v is not None else pa.nulls(n, pa.float64())
     cols = {"run_id": repeat(run_id, n, pa.string()), **keys, "scorer": repeat(name, n, pa.string()),
             "logp": opt(sc.logp), "entropy": opt(sc.entropy), "tv_exact_vs_ref": opt(sc.tv_exact_vs_ref),
-            "kl_exact_vs_ref": opt(sc.kl_exact_vs_ref), "nonfinite": pa.array(sc.nonfinite, pa.bool_())}
+            "kl_exact_vs_ref": opt(sc.kl_exact_vs_ref), "nonfinite": pa.array(sc.nonfinite, pa.bool_()),
+            "log_support": opt(sc.log_support), "logp_support": opt(sc.logp_support)}
     for col, attr in (("topk_ids", "topk_ids"), ("topk_logps", "topk_logps"),
                       ("logps_at_rollout_topk", "logps_at_rollout_topk"), ("logps_at_ref_topk", "logps_at_ref_topk")):
         cols[col] = ragged_array(getattr(sc, attr), SCORE_TYPES[col], n)

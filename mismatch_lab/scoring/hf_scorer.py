@@ -93,6 +93,8 @@ class ScoredTokens:
     topk_logps: Ragged | None = None
     logps_at_rollout_topk: Ragged | None = None
     logps_at_ref_topk: Ragged | None = None
+    log_support: np.ndarray | None = None  # log S under this scorer's π for the rollout's sampling rule
+    logp_support: np.ndarray | None = None  # log π restricted to that support, renormalised (-inf outside)
 
     def rows(self, s: int) -> slice:
         return slice(int(self.offsets[s]), int(self.offsets[s + 1]))
@@ -103,7 +105,7 @@ class HFScorer:
 
     def __init__(self, model: str, dtypes: Sequence[str], *, device: str | None = None, top_k: int = 20,
                  chunk_rows: int = SCORE_CHUNK_ROWS, batch_tokens: int = SCORE_BATCH_TOKENS,
-                 models: dict | None = None, placement: str = "resident"):
+                 models: dict | None = None, placement: str = "resident", sampling=None):
         import torch
 
         for d in dtypes:
@@ -116,6 +118,7 @@ class HFScorer:
         self.top_k = top_k
         self.chunk_rows = chunk_rows
         self.batch_tokens = batch_tokens
+        self.sampling = sampling  # scoring.support.SamplingRule: log S per token where it restricts
         self.ref = REF_DTYPE if REF_DTYPE in self.dtypes else None
         self.models = {d: (models or {}).get(d) or self._load(model, d) for d in self.dtypes}
         for m in self.models.values():
@@ -161,7 +164,11 @@ class HFScorer:
         return {"scorer_dtypes": self.dtypes, "ref": f"hf:{self.ref}" if self.ref else None,
                 "chunk_rows": self.chunk_rows, "batch_tokens": self.batch_tokens, "device": self.device,
                 "placement": self.placement,
+                "support": self.sampling.config() if self._support() else None,
                 "pi_definition": "log_softmax in fp32 of (h @ W.T) computed in the scorer dtype"}
+
+    def _support(self) -> bool:
+        return self.sampling is not None and self.sampling.restricts
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Copy new weights into every scorer copy (training: the scorers follow the trained policy; a
@@ -241,11 +248,22 @@ class HFScorer:
             m = max(len(r) for r in flat)
             lens = np.array([len(r) for r in flat], dtype=np.int64)
             gather["rollout"] = torch.tensor([r + [r[0]] * (m - len(r)) for r in flat], dtype=torch.long).to(self.device)
+        per_row = {"support": self._support_fn()} if self._support() else None
         with torch.no_grad():
             stats = chunked_row_stats({d: h.to(self.device) for d, h in hidden.items()}, self.heads, tgt,
-                                      top_k=self.top_k, ref=self.ref, gather=gather, chunk_rows=self.chunk_rows)
+                                      top_k=self.top_k, ref=self.ref, gather=gather, chunk_rows=self.chunk_rows,
+                                      per_row=per_row)
         valid = np.repeat([bool(s.rollout_topk_ids) for s in seqs], [len(s.response_ids) for s in seqs])
         return {"stats": stats, "rollout_lens": lens, "rollout_valid": valid}
+
+    def _support_fn(self):
+        from mismatch_lab.scoring.support import support_stats
+
+        def fn(lp, tgt):
+            log_s, logp_s = support_stats(lp, self.sampling, tgt)
+            return {"log_support": log_s, "logp_support": logp_s}
+
+        return fn
 
     def close(self) -> None:
         self.models.clear()
@@ -330,6 +348,9 @@ class _Assembly:
             out.topk_logps = Ragged(col(lambda r: st(r).topk_logps), lens)
         if "rollout" in first[d].at_ids or any("rollout" in res["stats"][d].at_ids for _, res in self.parts):
             out.logps_at_rollout_topk = self._rollout(d, n)
+        for key in ("log_support", "logp_support"):
+            if key in first[d].extra:
+                setattr(out, key, col(lambda r, key=key: st(r).extra[key]))
         if first[d].at_ref_topk is not None:
             ref = next(k for k in self.dtypes if k == REF_DTYPE)
             out.logps_at_ref_topk = Ragged(col(lambda r: st(r).at_ref_topk),

@@ -15,7 +15,7 @@ to bf16 before the softmax), then promoted to fp32 for the log-softmax, the entr
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,6 +33,7 @@ class RowStats:
     at_ref_topk [N, K+1] | None  log π at the reference scorer's `topk_ids` (trim with the ref's topk_len)
     tv          [N] | None  ½ Σ_v |π(v) − π_ref(v)|          (exact, full vocabulary)
     kl          [N] | None  KL(π_ref ‖ π) = Σ_v π_ref(v) (log π_ref(v) − log π(v)), nats
+    extra       dict name -> [N] results of the caller's `per_row` functions (e.g. scoring.support)
     """
 
     logp: torch.Tensor
@@ -44,6 +45,7 @@ class RowStats:
     at_ref_topk: torch.Tensor | None = None
     tv: torch.Tensor | None = None
     kl: torch.Tensor | None = None
+    extra: dict = field(default_factory=dict)
 
 
 def chunked_row_stats(
@@ -55,6 +57,7 @@ def chunked_row_stats(
     ref: str | None = None,
     gather: dict | None = None,
     chunk_rows: int = 1024,
+    per_row: dict | None = None,
 ) -> dict:
     """Log-softmax statistics for several scorers in lockstep, `chunk_rows` rows at a time.
 
@@ -64,6 +67,8 @@ def chunked_row_stats(
     ref:     name of the reference scorer (fp32); when given, every scorer also gets exact TV and KL vs it
     gather:  name -> [N, M] int64 ids at which log π is also returned (`at_ids[name]`); rows padded
              by repeating a valid id — callers trim.  Gathered for every scorer.
+    per_row: name -> fn(lp [rows, V], targets [rows, 1]) -> {key: [rows]}, called on every chunk of every
+             scorer; its results are `extra[key]`.
     Returns name -> RowStats.  Chunks of the reference are computed once and shared by all scorers.
     """
     names = list(hidden)
@@ -71,6 +76,8 @@ def chunked_row_stats(
     gather = gather or {}
     out: dict[str, dict[str, list]] = {s: {"logp": [], "entropy": [], "ti": [], "tl": [], "tn": [], "tv": [], "kl": [],
                                           "rt": [], **{f"g:{g}": [] for g in gather}} for s in names}
+    per_row = per_row or {}
+    extra: dict[str, dict[str, list]] = {s: {} for s in names}
     for start in range(0, n, chunk_rows):
         sl = slice(start, min(n, start + chunk_rows))
         tgt = targets[sl].view(-1, 1)
@@ -95,6 +102,9 @@ def chunked_row_stats(
                     o["rt"].append(lp.gather(1, ref_ids))
             for g, ids in gather.items():
                 o[f"g:{g}"].append(lp.gather(1, ids[sl]))
+            for fn in per_row.values():
+                for key, v in fn(lp, tgt).items():
+                    extra[s].setdefault(key, []).append(v)
             if ref_lp is not None:
                 p_ref = ref_lp.exp()
                 o["tv"].append(0.5 * (p - p_ref).abs().sum(-1))
@@ -115,6 +125,7 @@ def chunked_row_stats(
             at_ref_topk=cat("rt", (0, 0)) if (ref is not None and top_k > 0) else None,
             tv=cat("tv") if ref is not None else None,
             kl=cat("kl") if ref is not None else None,
+            extra={k: torch.cat(v) for k, v in extra[s].items()},
         )
     return res
 

@@ -51,6 +51,8 @@ COLUMNS: dict[str, tuple[tuple[str, str, str], ...]] = {
         ("reward", "DOUBLE", ""),
         ("advantage", "DOUBLE", ""),
         ("prompt_len", "INTEGER", ""),
+        ("policy_lag", "INTEGER", "optimizer updates between the weights that sampled the sequence and those pi was "
+                                  "computed with (0: same weights); NULL when the run does not say"),
     ),
     "tokens": (
         ("run_id", "VARCHAR", ""),
@@ -78,6 +80,10 @@ COLUMNS: dict[str, tuple[tuple[str, str, str], ...]] = {
         # extra columns (allowed by the contract), aligned element-wise with other tables' id lists:
         ("logps_at_rollout_topk", "DOUBLE[]", "this scorer's log-probs at tokens.topk_ids_rollout (top-K TV/KL vs mu)"),
         ("logps_at_ref_topk", "DOUBLE[]", "this scorer's log-probs at the hf:fp32 scorer's topk_ids"),
+        ("log_support", "DOUBLE", "log S: log of the mass of this scorer's distribution that the rollout's sampling "
+                                  "rule (temperature, top-k, top-p; scoring.support) keeps; NULL without such a rule"),
+        ("logp_support", "DOUBLE", "log pi restricted to that support and renormalised, at the sampled token "
+                                   "(= logp - log_support at T=1); NULL outside the support or without a rule"),
     ),
     "train_metrics": (
         ("run_id", "VARCHAR", ""),
@@ -193,6 +199,12 @@ def create_schema(con) -> None:
     """Create every table of the contract if missing and record the schema version."""
     for stmt in DDL:
         con.execute(stmt)
+    have = set(con.execute("SELECT table_name, column_name FROM information_schema.columns WHERE table_schema = "
+                           "'main' AND table_catalog = current_database()").fetchall())
+    for table, cols in COLUMNS.items():  # a store written before an optional column was added gets it (NULL)
+        for name, typ, _ in cols:
+            if (table, name) not in have:
+                con.execute(f"ALTER TABLE {table} ADD COLUMN {name} {typ}")
     con.execute(
         "INSERT INTO meta VALUES ('schema_version', ?) ON CONFLICT (key) DO UPDATE SET value = excluded.value",
         [SCHEMA_VERSION],

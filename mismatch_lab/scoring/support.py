@@ -1,0 +1,98 @@
+"""The sampling rule of a rollout (temperature, top-k, top-p) and the support it keeps, under π.
+
+With top-k / top-p (or a temperature), vLLM's `processed_logprobs` are the log-softmax of the logits after
+the sampler's processing: log μ_proc(t) = log softmax(z / T)(t) − log S, where S is the probability mass of
+softmax(z / T) that the sampler kept (the support). A trainer scoring log π of the raw distribution then sees
+log r = log π − log μ_proc biased by log S even where the numerics agree exactly.
+
+The rule, as vLLM 0.32 applies it (vllm/v1/sample/sampler.py `Sampler.sample`, then
+vllm/v1/sample/ops/topk_topp_sampler.py `apply_top_k_top_p_pytorch` / `apply_top_k_only`; the CPU build has
+no Triton and takes these paths), and as HF transformers' Temperature -> TopK -> TopP warpers apply it:
+
+1. z / T (fp32);
+2. top-k: keep every logit >= the k-th largest (ties at the boundary are all kept);
+3. top-p over the softmax of what top-k kept: sort ascending, cumulative sum, drop where the cumulative
+   sum <= 1 − p, never the largest (ties at the boundary fall by the sort's order).
+
+`support_stats` computes, per row of a scorer's log π, log S under π's own distribution for that rule and
+log π restricted to the support and renormalised (−inf for a token outside it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+LOGPROBS_MODES = ("raw", "processed")
+"""--logprobs-mode: 'raw' = log-softmax of the raw logits (vLLM raw_logprobs), 'processed' = of the logits
+after temperature / top-k / top-p (vLLM processed_logprobs)."""
+SUPPORT_ROWS = 256
+"""Rows per sort in `support_stats` (bounds the [rows x vocabulary] sort buffers)."""
+
+
+@dataclass(frozen=True)
+class SamplingRule:
+    """How the rollout samples: temperature, top-k (0 = off), top-p (1 = off), and which log-probs it returns."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    logprobs_mode: str = "raw"
+
+    @property
+    def restricts(self) -> bool:
+        """Whether the sampling distribution differs from softmax(z) (temperature, top-k or top-p set)."""
+        return self.temperature != 1.0 or self.top_p < 1.0 or self.top_k > 0
+
+    def label(self) -> str:
+        """The rollout label's suffix: '' at the defaults, else e.g. '-t0.7-k50-p0.9-processed'."""
+        parts = [f"t{self.temperature:g}" if self.temperature != 1.0 else "",
+                 f"k{self.top_k}" if self.top_k > 0 else "", f"p{self.top_p:g}" if self.top_p < 1.0 else "",
+                 self.logprobs_mode if self.logprobs_mode != "raw" else ""]
+        return "".join(f"-{p}" for p in parts if p)
+
+    def config(self) -> dict:
+        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k or "off",
+                "logprobs_mode": self.logprobs_mode}
+
+
+def support_stats(lp, rule: SamplingRule, targets, rows: int = SUPPORT_ROWS):
+    """(log S [N], log π restricted to the support and renormalised at `targets` [N]) for log-probs `lp`
+    [N, V] (fp32) under `rule`; −inf where the target is outside the support."""
+    import torch
+
+    out_s, out_t = [], []
+    for start in range(0, lp.shape[0], rows):
+        s, t = _support_rows(lp[start:start + rows], rule, targets[start:start + rows].view(-1))
+        out_s.append(s)
+        out_t.append(t)
+    if not out_s:
+        return torch.empty(0), torch.empty(0)
+    return torch.cat(out_s), torch.cat(out_t)
+
+
+def _support_rows(lp, rule: SamplingRule, tgt):
+    import torch
+
+    z = lp / rule.temperature if rule.temperature != 1.0 else lp
+    lse = torch.logsumexp(z, dim=-1)
+    if rule.top_p >= 1.0:  # top-k alone (or temperature alone): no sort
+        kept = torch.ones_like(z, dtype=torch.bool)
+        if rule.top_k > 0 and rule.top_k < z.shape[-1]:
+            kept = z >= z.topk(rule.top_k, dim=-1).values[:, -1:]
+        zk = z.masked_fill(~kept, float("-inf"))
+        kept_lse = torch.logsumexp(zk, dim=-1)
+        at = kept.gather(1, tgt.view(-1, 1)).view(-1)
+    else:
+        zs, idx = z.sort(dim=-1)  # ascending, as vLLM sorts
+        if rule.top_k > 0 and rule.top_k < z.shape[-1]:
+            v = zs.shape[-1]
+            zs.masked_fill_(zs < zs[:, v - rule.top_k:v - rule.top_k + 1], float("-inf"))
+        drop = zs.softmax(dim=-1).cumsum(dim=-1) <= 1 - rule.top_p
+        drop[:, -1] = False
+        zs.masked_fill_(drop, float("-inf"))
+        kept_lse = torch.logsumexp(zs, dim=-1)
+        pos = (idx == tgt.view(-1, 1)).to(torch.int8).argmax(dim=-1, keepdim=True)
+        at = torch.isfinite(zs.gather(1, pos)).view(-1)
+    zt = z.gather(1, tgt.view(-1, 1)).view(-1)
+    logp_support = torch.where(at, zt - kept_lse, torch.full_like(zt, float("-inf")))
+    return kept_lse - lse, logp_support
