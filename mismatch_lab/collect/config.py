@@ -13,7 +13,7 @@ CHUNK_TOKENS = {"cpu": 4096, "cuda": 262144}  # token budget of a chunk by devic
 RUN_LOCAL = ("db", "device", "rollout_dtypes", "gpu_memory_utilization", "memory_plan")
 """Fields that do not determine a run's rows: left out of the run id (adding a rollout dtype to a study
 later does not redo the runs already there)."""
-IN_RUN_ID_UNLESS_DEFAULT = ("min_tokens", "rollout_weights")
+IN_RUN_ID_UNLESS_DEFAULT = ("min_tokens", "rollout_weights", "temperature", "top_p", "sample_top_k", "logprobs_mode")
 """Fields added after studies were stored: hashed only when set, so the run ids of those studies stay."""
 
 
@@ -31,6 +31,10 @@ class CollectConfig:
     rollout_weights: str = "none"  # fp8 | bf16: the rollout engine gets rounded weights (engines/weights.py)
     scorer_dtypes: list = field(default_factory=lambda: ["bf16", "fp16", "fp32"])  # plus 'vllm:<dtype>'
     top_k: int = 20  # top-K recorded per token (sampled token included); 0 = none
+    temperature: float = 1.0  # the rollout's sampling temperature (the scorers' π stays at T=1)
+    top_p: float = 1.0  # the rollout's nucleus sampling; 1 = off
+    sample_top_k: int = 0  # the rollout's top-k sampling; 0 = off (--top-k is the recorded top-K)
+    logprobs_mode: str = "raw"  # raw: μ before temperature/top-k/top-p | processed: after (vLLM processed_logprobs)
     seed: int = 0
     db: str = "mismatch_lab.duckdb"
     study: str = "adhoc"  # name stored in runs.study
@@ -74,12 +78,41 @@ class CollectConfig:
             raise UserError("--memory-plan: use 'check' or 'off'")
         if self.top_k < 0 or self.top_k > 20:
             raise UserError("--top-k must be between 0 and 20 (vLLM caps returned logprobs at 20)")
+        self._validate_sampling()
         from mismatch_lab.engines.weights import ROUNDINGS
 
         if self.rollout_weights not in ROUNDINGS:
             raise UserError(f"--rollout-weights {self.rollout_weights}: use one of {', '.join(ROUNDINGS)}")
         if not self.rollout_dtypes:
             raise UserError("--rollout-dtypes is empty; give at least one of bf16,fp16,fp32")
+
+    def _validate_sampling(self) -> None:
+        from mismatch_lab.scoring.support import LOGPROBS_MODES
+
+        if not self.temperature > 0:
+            raise UserError(f"--temperature {self.temperature} must be above 0 (greedy decoding has no μ to compare)")
+        if not 0 < self.top_p <= 1:
+            raise UserError(f"--top-p {self.top_p} must be in (0, 1]; 1 = off")
+        if self.sample_top_k < 0:
+            raise UserError(f"--sample-top-k {self.sample_top_k} must be 0 (off) or more")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise UserError(f"--logprobs-mode {self.logprobs_mode}: use one of {', '.join(LOGPROBS_MODES)}")
+        if self.logprobs_mode == "processed" and self.min_tokens:
+            raise UserError("--logprobs-mode processed with --min-tokens: the processed log-probs would hold the "
+                            "end-of-sequence mask too; pass --logprobs-mode raw or --min-tokens 0")
+
+    def sampling_rule(self):
+        """The rollout's `scoring.support.SamplingRule`."""
+        from mismatch_lab.scoring.support import SamplingRule
+
+        return SamplingRule(float(self.temperature), float(self.top_p), int(self.sample_top_k), self.logprobs_mode)
+
+    def rollout_label(self, dtype: str) -> str:
+        """`runs.engine_dtype` of the run at `dtype`: the weights' label ('bf16-wfp8') and, off the defaults,
+        the sampling rule's ('bf16-p0.9-processed'), so runs that sample differently never merge."""
+        from mismatch_lab.engines.weights import weights_label
+
+        return weights_label(dtype, self.rollout_weights) + self.sampling_rule().label()
 
     def chunk_budget(self, device: str) -> int:
         """Tokens per committed chunk on `device` (explicit, or the device kind's default)."""
@@ -91,8 +124,11 @@ PATH_KEYS = ("prompts", "db")
 STUDY_SCHEMA = study_schema(CollectConfig, PATH_KEYS, examples={"device": '"cuda"', "gpu_memory_utilization": "0.9"})
 """key -> the type its study-file value must have (from the field annotations), checked once when read."""
 
-INTS = ("samples", "max_tokens", "min_tokens", "top_k", "seed", "chunk_tokens", "chunk_prompts", "gen_batch", "score_chunk_rows",
+INTS = ("samples", "max_tokens", "min_tokens", "top_k", "sample_top_k", "seed", "chunk_tokens", "chunk_prompts", "gen_batch", "score_chunk_rows",
         "score_batch_tokens", "max_model_len", "tensor_parallel_size", "data_parallel_size")
+
+
+FLOATS = ("gpu_memory_utilization", "temperature", "top_p")
 
 
 def _split_list(v):
@@ -113,7 +149,7 @@ def load_config(args) -> CollectConfig:
             setattr(cfg, k, v)
     cfg.rollout_dtypes = _split_list(cfg.rollout_dtypes)
     cfg.scorer_dtypes = _split_list(cfg.scorer_dtypes)
-    for k, cast in [(k, int) for k in INTS] + [("gpu_memory_utilization", float)]:
+    for k, cast in [(k, int) for k in INTS] + [(k, float) for k in FLOATS]:
         try:
             setattr(cfg, k, cast(getattr(cfg, k)))
         except (TypeError, ValueError) as exc:
@@ -142,6 +178,13 @@ def add_arguments(parser) -> None:
       help="comma list of bf16,fp16,fp32 (HF trainer), <dtype>-w<rounding> (HF at <dtype> on weights rounded "
            "to bf16|fp16|fp8, e.g. fp32-wbf16) and vllm:<dtype> (vLLM prefill)")
     a("--top-k", dest="top_k", type=int, help="top-K recorded per token, 0..20 (default 20)")
+    a("--temperature", type=float, help="the rollout's sampling temperature (default 1); the scorers' π stays at T=1")
+    a("--top-p", dest="top_p", type=float, help="the rollout's nucleus sampling, in (0, 1] (default 1 = off)")
+    a("--sample-top-k", dest="sample_top_k", type=int,
+      help="the rollout's top-k sampling (default 0 = off; --top-k is the number of log-probs recorded)")
+    a("--logprobs-mode", dest="logprobs_mode", choices=["raw", "processed"],
+      help="μ before temperature/top-k/top-p (raw, default) or after them, renormalised over the kept tokens "
+           "(processed, vLLM's processed_logprobs); the HF scorers store log S of that support (log_support)")
     a("--seed", type=int)
     a("--db", help="DuckDB file to write (default: studies/<name>/<name>.duckdb)")
     a("--chunk-tokens", dest="chunk_tokens", type=int,

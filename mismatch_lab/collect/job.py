@@ -1,8 +1,8 @@
 """The collect job in three parts: prepare (inputs, nothing loaded) -> plan (memory, refused before anything is
 written) -> chunks (generate, score, write one committed chunk at a time).
 
-For each rollout dtype: the engine samples every prompt `samples` times at T=1, top_p=1 (μ and its top-K
-recorded), then every scorer re-scores exactly those token ids by teacher forcing (π, entropy, top-K, exact
+For each rollout dtype: the engine samples every prompt `samples` times at T=1, top_p=1 unless a sampling rule
+is given (--temperature, --top-p, --sample-top-k; μ raw or processed by --logprobs-mode; μ and its top-K recorded), then every scorer re-scores exactly those token ids by teacher forcing (π, entropy, top-K, exact
 TV/KL vs the fp32 scorer). Work is cut into chunks by a token budget; each chunk is committed in one
 transaction, so an interrupted run resumes at its first missing chunk when the same command is re-run.
 """
@@ -174,14 +174,13 @@ def collect(cfg: CollectConfig, *, progress: bool = True, verbose: bool = False)
 
 def pending_runs(job: Job, writer) -> tuple[list[str], list[PendingRun]]:
     """Every run id of the job, and the runs with chunks still to do (a complete run is not redone)."""
-    from mismatch_lab.engines.weights import weights_label
     from mismatch_lab.models import weights_sha256
 
     sha = weights_sha256(job.model)
     run_ids, pending = [], []
     for dt in job.cfg.rollout_dtypes:
         run_cfg = dict(job.base_cfg, rollout_dtype=dt, weights_sha256=sha)
-        run_id = f"{job.cfg.study}-collect-{job.cfg.engine}-{weights_label(dt, job.cfg.rollout_weights)}-{config_key(run_cfg)}"
+        run_id = f"{job.cfg.study}-collect-{job.cfg.engine}-{job.cfg.rollout_label(dt)}-{config_key(run_cfg)}"
         run_ids.append(run_id)
         if writer.run_status(run_id) == "complete":
             print(f"{run_id}: already complete, skipped", file=sys.stderr)
@@ -226,8 +225,6 @@ def run_chunks(job: Job, plan, writer, pending: list[PendingRun], *, progress: b
 
 
 def _start_run(job: Job, writer, run: PendingRun, engine, work) -> None:
-    from mismatch_lab.engines.weights import weights_label
-
     versions = runtime_versions()
     run.run_cfg = dict(run.run_cfg, sampling=engine.sampling_config(), scorer=work.scorer_config(),
                        vllm_scorers=[f"vllm:{d}" for d in job.vllm_dtypes], chunks=len(job.chunks),
@@ -235,7 +232,7 @@ def _start_run(job: Job, writer, run: PendingRun, engine, work) -> None:
                        rollout_weights=job.cfg.rollout_weights)
     writer.start_run(run.run_id, study=job.cfg.study, kind="collect", model=job.model,
                      weights_sha256=run.run_cfg["weights_sha256"], engine=job.cfg.engine,
-                     engine_dtype=weights_label(run.dtype, job.cfg.rollout_weights),
+                     engine_dtype=job.cfg.rollout_label(run.dtype),
                      device=device_name(job.device), versions=versions, config=run.run_cfg)
 
 
@@ -280,7 +277,7 @@ class _Workers:
         cfg = self.job.cfg
         return HFScorer(self.job.model, self.job.hf_dtypes, device=self.job.device, top_k=cfg.top_k,
                         chunk_rows=cfg.score_chunk_rows, batch_tokens=cfg.score_batch_tokens,
-                        placement=self.plan.placement if self.plan else "resident")
+                        placement=self.plan.placement if self.plan else "resident", sampling=cfg.sampling_rule())
 
     def scorer_config(self):
         return self.scorer.config() if self.scorer else None
@@ -291,11 +288,12 @@ class _Workers:
             self.engines[key] = self._make(name, dtype)
         return self.engines[key]
 
-    def _make(self, name: str, dtype: str):
+    def _make(self, name: str, dtype: str, sampling=None):
         from mismatch_lab.engines.base import make_engine
 
         cfg = self.job.cfg
-        kw = {"seed": cfg.seed, "max_model_len": self.job.max_len, "device": self.job.device, "verbose": self.verbose}
+        kw = {"seed": cfg.seed, "max_model_len": self.job.max_len, "device": self.job.device, "verbose": self.verbose,
+              "sampling": sampling}
         if name == "vllm":
             kw.update(max_logprobs=max(20, cfg.top_k), tensor_parallel_size=cfg.tensor_parallel_size,
                       data_parallel_size=cfg.data_parallel_size,
@@ -304,27 +302,29 @@ class _Workers:
 
     def rollout_engine(self, name: str, dtype: str):
         """The rollout engine of a run: the shared engine of (name, dtype) on the checkpoint's weights, or, with
-        --rollout-weights, an engine of its own into which the rounded checkpoint weights were pushed (a vLLM
-        prefill scorer of the same dtype keeps the checkpoint's)."""
-        kind = self.job.cfg.rollout_weights
-        if kind == "none":
+        --rollout-weights or a sampling rule (--temperature, --top-p, --sample-top-k, --logprobs-mode), an engine
+        of its own (rounded checkpoint weights pushed into it; the rule's sampling): a vLLM prefill scorer of the
+        same dtype keeps the checkpoint's weights and raw log-probs."""
+        cfg = self.job.cfg
+        label = cfg.rollout_label(dtype)
+        if label == dtype:
             return self.engine(name, dtype)
-        from mismatch_lab.engines.weights import round_state, weights_label
+        from mismatch_lab.engines.weights import round_state
 
-        key = f"{name}:{weights_label(dtype, kind)}"
+        key = f"{name}:{label}"
         if key not in self.engines:
-            engine = self._make(name, dtype)
+            engine = self._make(name, dtype, sampling=cfg.sampling_rule())
             self.engines[key] = engine
-            engine.load_state_dict(round_state(checkpoint_state(self.job.model, self.job.cfg.trust_remote_code), kind))
+            if cfg.rollout_weights != "none":
+                engine.load_state_dict(round_state(checkpoint_state(self.job.model, cfg.trust_remote_code),
+                                                   cfg.rollout_weights))
         return self.engines[key]
 
     def release_rollout(self, name: str, dtype: str) -> None:
         """Free a rollout engine after its run, unless it also serves as a vLLM prefill scorer."""
-        from mismatch_lab.engines.weights import weights_label
-
-        kind = self.job.cfg.rollout_weights
-        if kind != "none" or name != "vllm" or dtype not in self.job.vllm_dtypes:
-            self.engines.pop(f"{name}:{weights_label(dtype, kind)}").close()
+        label = self.job.cfg.rollout_label(dtype)
+        if label != dtype or name != "vllm" or dtype not in self.job.vllm_dtypes:
+            self.engines.pop(f"{name}:{label}").close()
 
     def close(self) -> None:
         for e in self.engines.values():

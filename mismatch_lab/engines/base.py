@@ -105,5 +105,5 @@ def make_engine(name: str, model: str, dtype: str, **kwargs) -> RolloutEngine:
 # engine name -> (module, class, keyword arguments it accepts; None = all)
 ENGINES = {
     "vllm": ("mismatch_lab.engines.vllm_engine", "VLLMEngine", None),
-    "hf": ("mismatch_lab.engines.hf_engine", "HFEngine", ("device", "seed", "max_model_len", "verbose")),
+    "hf": ("mismatch_lab.engines.hf_engine", "HFEngine", ("device", "seed", "max_model_len", "verbose", "sampling")),
 }

@@ -1,4 +1,10 @@
-"""HF transformers rollout engine: `generate` with KV cache, T=1, top_p=1, no top-k.
+"""HF transformers rollout engine: `generate` with KV cache, T=1, top_p=1, no top-k (by default).
+
+A sampling rule (`scoring.support.SamplingRule`) passes temperature / top_k / top_p to `generate`, whose
+warpers apply them in vLLM's order and with its boundary rule (transformers' TemperatureLogitsWarper, then
+TopKLogitsWarper: keep >= the k-th largest; then TopPLogitsWarper: ascending sort, drop where the cumulative
+sum <= 1 - p, keep the largest). With `logprobs_mode='processed'` μ is the log-softmax of `generate`'s
+processed scores (`output_scores=True`) instead of its raw logits.
 
 The fallback where vLLM is absent and the path for a CUDA machine without vLLM. μ is the log-softmax
 (in fp32) of the raw logits returned by `generate(output_logits=True)` at the engine dtype, i.e. the
@@ -15,15 +21,24 @@ from collections.abc import Sequence
 from mismatch_lab.engines.base import TORCH_DTYPES, GenRequest, Sample, check_samples
 
 
+LOGPROBS_MODES = {"raw": "log_softmax(raw logits) in fp32",
+                  "processed": "log_softmax(processed scores: after temperature, top-k, top-p) in fp32"}
+"""--logprobs-mode -> what μ is here (runs.config sampling.logprobs_mode)."""
+
+
 class HFEngine:
     name = "hf"
-    logprobs_mode = "log_softmax(raw logits) in fp32"
 
     def __init__(self, model: str, dtype: str, *, device: str | None = None, seed: int = 0, max_model_len: int = 2048,
-                 verbose: bool = False):
+                 verbose: bool = False, sampling=None):
         import torch
         import transformers
         from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from mismatch_lab.scoring.support import SamplingRule
+
+        self.sampling = sampling or SamplingRule()
+        self.logprobs_mode = LOGPROBS_MODES[self.sampling.logprobs_mode]
 
         if not verbose:  # the per-load progress bar is engine log: shown with --verbose only
             transformers.utils.logging.disable_progress_bar()
@@ -40,9 +55,9 @@ class HFEngine:
         import transformers
 
         return {
-            "engine": "hf", "temperature": 1.0, "top_p": 1.0, "top_k": "off", "n": 1,
+            "engine": "hf", **self.sampling.config(), "n": 1,
             "seed": "torch.manual_seed per batch", "logprobs_mode": self.logprobs_mode,
-            "mu_definition": "log_softmax in fp32 of the raw generate() logits at the engine dtype",
+            "mu_definition": f"{self.logprobs_mode} of generate() at the engine dtype",
             "versions": {"transformers": transformers.__version__},
         }
 
@@ -63,12 +78,14 @@ class HFEngine:
         with torch.no_grad():
             out = self.model.generate(
                 input_ids=ids.to(self.device), attention_mask=attn.to(self.device), do_sample=True,
-                temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=max_tokens, min_new_tokens=min_tokens or None,
-                pad_token_id=self.pad_id,
-                eos_token_id=eos, output_logits=True, return_dict_in_generate=True,
+                temperature=self.sampling.temperature, top_p=self.sampling.top_p, top_k=self.sampling.top_k,
+                max_new_tokens=max_tokens, min_new_tokens=min_tokens or None, pad_token_id=self.pad_id,
+                eos_token_id=eos, output_logits=True, output_scores=self.sampling.logprobs_mode == "processed",
+                return_dict_in_generate=True,
             )
         gen = out.sequences[:, width:].cpu()
-        logits = torch.stack(out.logits, dim=1).float()  # [B, steps, V]
+        steps = out.scores if self.sampling.logprobs_mode == "processed" else out.logits
+        logits = torch.stack(steps, dim=1).float()  # [B, steps, V]
         logp_all = torch.log_softmax(logits, dim=-1).cpu()
         samples = []
         for i in range(len(requests)):

@@ -2,8 +2,12 @@
 
 Facts this relies on (docs/environment.md):
 - `VLLM_ENABLE_V1_MULTIPROCESSING=0` before importing vllm: the engine runs in this process (3 s start).
-- μ is vLLM's `raw_logprobs`: log-softmax of the raw logits, before temperature/top-k/top-p. We sample
-  at T=1 without top-k/top-p, where raw == processed, so μ is exactly the sampling distribution.
+- μ is vLLM's `raw_logprobs`: log-softmax of the raw logits, before temperature/top-k/top-p. By default we
+  sample at T=1 without top-k/top-p, where raw == processed, so μ is exactly the sampling distribution.
+  With a sampling rule (`scoring.support.SamplingRule`) the engine passes temperature / top_p / top_k to
+  `SamplingParams`, and `logprobs_mode='processed'` builds the LLM with `logprobs_mode='processed_logprobs'`
+  (vllm/config/model.py): μ is then the log-softmax after temperature and top-k/top-p, renormalised over
+  the kept tokens (log μ_raw / T shifted by −log S).
 - `SamplingParams(logprobs=k)` returns the top-k plus the sampled token (k or k+1 entries).
 - Per-request seeds are used with n=1 (n>1 with a seed crashes the CPU backend), so each sample is
   reproducible on its own and a resumed run regenerates exactly what an uninterrupted run would.
@@ -79,15 +83,22 @@ def _native_stderr_hidden(hide: bool):
         os.close(devnull)
 
 
+VLLM_LOGPROBS_MODES = {"raw": "raw_logprobs", "processed": "processed_logprobs"}
+"""--logprobs-mode -> vLLM's LLM(logprobs_mode=...)."""
+
+
 class VLLMEngine:
     name = "vllm"
-    logprobs_mode = "raw_logprobs"
 
     def __init__(self, model: str, dtype: str, *, seed: int = 0, max_model_len: int = 2048,
                  kv_cache_bytes: int = 1 << 30, max_logprobs: int = 20, device: str | None = None,
                  gpu_memory_utilization: float | None = None, tensor_parallel_size: int = 1,
-                 data_parallel_size: int = 1, verbose: bool = False):
+                 data_parallel_size: int = 1, verbose: bool = False, sampling=None):
+        from mismatch_lab.scoring.support import SamplingRule
+
         vllm = _import_vllm(verbose)
+        self.sampling = sampling or SamplingRule()
+        self.logprobs_mode = VLLM_LOGPROBS_MODES[self.sampling.logprobs_mode]
 
         self.model = model
         self.dtype = dtype
@@ -112,10 +123,14 @@ class VLLMEngine:
 
     # -- sampling ---------------------------------------------------------------------------------
     def sampling_config(self) -> dict:
+        rule = self.sampling
         return {
-            "engine": "vllm", "temperature": 1.0, "top_p": 1.0, "top_k": "off", "n": 1,
+            "engine": "vllm", **rule.config(), "n": 1,
             "seed": "per-request (seed, prompt, sample)", "logprobs_mode": self.logprobs_mode,
-            "mu_definition": "raw log-softmax of the rollout logits at T=1 (= sampling distribution)",
+            "mu_definition": ("log-softmax after temperature and top-k/top-p, renormalised over the kept tokens"
+                              if rule.logprobs_mode == "processed" else
+                              "raw log-softmax of the rollout logits at T=1" + (
+                                  "" if rule.restricts else " (= sampling distribution)")),
             "enforce_eager": True, "max_model_len": self.max_model_len, "versions": self._versions,
             "engine_args": self.engine_args,
         }
@@ -127,8 +142,9 @@ class VLLMEngine:
 
         prompts = [TokensPrompt(prompt_token_ids=list(r.prompt_ids)) for r in requests]
         params = [
-            SamplingParams(n=1, temperature=1.0, top_p=1.0, top_k=0, max_tokens=max_tokens, min_tokens=min_tokens,
-                           logprobs=top_k, seed=r.seed)
+            SamplingParams(n=1, temperature=self.sampling.temperature, top_p=self.sampling.top_p,
+                           top_k=self.sampling.top_k, max_tokens=max_tokens, min_tokens=min_tokens, logprobs=top_k,
+                           seed=r.seed)
             for r in requests
         ]
         outs = self.llm.generate(prompts, params, use_tqdm=False)
