@@ -21,9 +21,10 @@ The other dumps of --dump-details carry no log pi per token: `dashboard_columns/
 loss call: train/old/rollout log-probs) lacks token ids and the rollout id.
 
 One Source per rollout: the file of its lowest rank, the other ranks' files read with it (`Source.facts`);
-the dedup digest is that first file's. Context-parallel dumps (cp_size > 1) are refused: their slices
-would have to be reassembled (miles `assemble_log_prob_from_cp`). miles writes 0.0 placeholders into
-masked rollout log-prob slots: only loss-mask positions are stored.
+the dedup digest is that first file's. With context parallelism (cp_size > 1) each rank holds its zigzag
+slice of the per-token fields (loss_masks stay whole): they are put back together (`_assemble`, the
+inverse of `slice_log_prob_with_cp`, as miles' `assemble_log_prob_from_cp` does). miles writes 0.0
+placeholders into masked rollout log-prob slots: only loss-mask positions are stored.
 
 What is read -> where it goes (per sample, through `slime._batch`):
     rollout_id                                   sequences.step
@@ -41,6 +42,8 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+
+import numpy as np
 
 from mismatch_lab.errors import UserError
 from mismatch_lab.importers import slime
@@ -79,6 +82,7 @@ def discover(path: Path, args) -> Discovery:
 
 
 def _load(path: Path, step: int) -> dict:
+    """The dict one rank saved (its `rollout_data` checked to be a dict)."""
     import torch  # only the pickle importers need torch
 
     try:
@@ -90,29 +94,82 @@ def _load(path: Path, step: int) -> dict:
                         "is read by `mismatch-lab import slime`)")
     if pack.get("rollout_id") is not None and slime._whole(pack["rollout_id"], str(path), "rollout_id") != step:
         raise UserError(f"{path}: rollout_id {pack['rollout_id']} differs from the file name's {step}")
-    if int(pack.get("cp_size") or 1) > 1:
-        raise UserError(f"{path}: a context-parallel dump (cp_size {pack['cp_size']}): its per-token fields are "
-                        "per-rank slices, which this importer does not reassemble yet; dump with cp_size 1")
-    return pack["rollout_data"]
+    return pack
 
 
 def _samples(files: list[Path], step: int) -> list[dict]:
-    """One dict per sample_index (in index order), joined over the rank files."""
+    """One dict per sample_index (in index order), joined over the rank files; context-parallel slices of
+    the per-token fields put back together (`_assemble`)."""
     joined: dict[int, dict] = {}
     for path in files:
-        data = _load(path, step)
+        pack = _load(path, step)
+        data, cp_size = pack["rollout_data"], int(pack.get("cp_size") or 1)
+        cp = (cp_size, int(pack.get("cp_rank") or 0), str(pack.get("qkv_format") or "thd"))
         indices = data.get("sample_indices")
         if indices is None:
             raise UserError(f"{path}: field 'sample_indices' is missing")
+        for key in (*PER_SAMPLE, *PER_TOKEN, "max_seq_lens"):
+            if data.get(key) is not None and len(data[key]) != len(indices):
+                raise UserError(f"{path}: field {key!r} has {len(data[key])} rows, sample_indices {len(indices)}")
         for row, index in enumerate(indices):
-            sample = joined.setdefault(int(slime._scalar(index)), {"_where": f"{path}: row {row}"})
-            for key in (*PER_SAMPLE, *PER_TOKEN):
-                values = data.get(key)
-                if values is not None and sample.get(key) is None:
-                    if len(values) != len(indices):
-                        raise UserError(f"{path}: field {key!r} has {len(values)} rows, sample_indices {len(indices)}")
-                    sample[key] = values[row]
-    return [joined[i] for i in sorted(joined)]
+            sample = joined.setdefault(int(slime._scalar(index)), {"_where": f"{path}: row {row}", "_cp": {}})
+            for key in PER_SAMPLE:
+                if data.get(key) is not None and sample.get(key) is None:
+                    sample[key] = data[key][row]
+            if data.get("max_seq_lens") is not None:
+                sample["_max_seq_len"] = int(slime._scalar(data["max_seq_lens"][row]))
+            for key in PER_TOKEN:
+                if data.get(key) is not None:  # the first holder of each context-parallel rank
+                    sample["_cp"].setdefault(key, {}).setdefault(cp, data[key][row])
+    samples = [joined[i] for i in sorted(joined)]
+    for s in samples:
+        for key, chunks in s.pop("_cp").items():
+            s[key] = _assemble(s, key, chunks)
+    return samples
+
+
+def _assemble(s: dict, key: str, chunks: dict[tuple[int, int, str], object]):
+    """The full-response values of a per-token field from its slices {(cp_size, cp_rank, qkv_format): values}
+    (one slice, the whole field, when cp_size is 1): the inverse of miles' `slice_log_prob_with_cp`."""
+    sizes = {c[0] for c in chunks}
+    if len(sizes) != 1:
+        raise UserError(f"{s['_where']}: field {key!r} comes from dumps of different cp_size {sorted(sizes)}")
+    cp_size = sizes.pop()
+    if cp_size == 1:
+        return next(iter(chunks.values()))
+    missing = sorted(set(range(cp_size)) - {c[1] for c in chunks})
+    if missing:
+        raise UserError(f"{s['_where']}: field {key!r} lacks the slices of context-parallel ranks {missing} "
+                        f"(cp_size {cp_size}): import the files of every rank")
+    T = slime._whole(s["total_lengths"], s["_where"], "total_lengths")
+    R = slime._whole(s["response_lengths"], s["_where"], "response_lengths")
+    out = np.full(R, np.nan)
+    for (_, cp_rank, fmt), values in chunks.items():
+        v = slime._floats(values, s["_where"], key).reshape(-1)
+        taken = 0
+        for a, b in _cp_ranges(T, R, fmt, s.get("_max_seq_len"), cp_rank, cp_size):
+            out[a:b] = v[taken: taken + b - a]
+            taken += b - a
+        if taken != len(v):
+            raise UserError(f"{s['_where']}: field {key!r} of context-parallel rank {cp_rank} has {len(v)} values, "
+                            f"its slice of the {R}-token response {taken} (misaligned)")
+    return out
+
+
+def _cp_ranges(T: int, R: int, fmt: str, max_seq_len: int | None, cp_rank: int, cp_size: int) -> list[tuple[int, int]]:
+    """The response positions [a, b) rank `cp_rank` holds, in order: its two zigzag chunks of the sequence
+    (miles `get_logits_and_tokens_offset_with_cp`), a log-prob's index shifted by one (logit t - 1 scores
+    token t)."""
+    if fmt != "thd" and max_seq_len is None:
+        raise UserError("a context-parallel bshd dump without 'max_seq_lens': the slices cannot be placed")
+    size = ((T if fmt == "thd" else max_seq_len) + 2 * cp_size - 1) // (2 * cp_size)
+    P = T - R
+    out = []
+    for c in (cp_rank, 2 * cp_size - cp_rank - 1):
+        lo, hi = max(c * size, P - 1), min((c + 1) * size, T - 1)
+        if lo < hi:
+            out.append((lo - (P - 1), hi - (P - 1)))
+    return out
 
 
 def read(src: Source, args):

@@ -25,7 +25,9 @@ def _expected(dumps: dict) -> dict:
     return {(rid, 0, i): w for rid, s in dumps.items() for i, w in enumerate(naive(s, rid))}
 
 
-@pytest.mark.parametrize("layout", [{"dp": 2, "pp": 2}, {"dp": 2, "pp": 1, "tp": 2}], ids=["dp2-pp2", "dp2-tp2"])
+@pytest.mark.parametrize("layout", [{"dp": 2, "pp": 2}, {"dp": 2, "pp": 1, "tp": 2}, {"dp": 1, "pp": 2, "cp_size": 2},
+                                    {"dp": 2, "pp": 1, "cp_size": 3, "tp": 2}],
+                         ids=["dp2-pp2", "dp2-tp2", "pp2-cp2", "dp2-cp3-tp2"])
 def test_every_stored_token_matches_a_plain_pass_joined_over_the_rank_files(cli, tmp_path, layout):
     dumps = _dump(tmp_path / "dump", **layout)
     store = tmp_path / "store"
@@ -67,10 +69,11 @@ def test_the_analyses_equal_a_numpy_pass_over_the_raw_tensors(cli, tmp_path):
         assert math.isclose(row[col], value, rel_tol=1e-12), col
 
 
-def test_context_parallel_dumps_and_missing_trainer_logprobs_are_one_line_errors(cli, tmp_path):
-    write_rollout(tmp_path / "cp", 0, rollout_samples(1), cp_size=2)
+def test_a_missing_context_parallel_slice_and_missing_trainer_logprobs_are_one_line_errors(cli, tmp_path):
+    paths = write_rollout(tmp_path / "cp", 0, rollout_samples(1), dp=1, pp=1, cp_size=2)
+    paths[1].unlink()  # cp rank 1's file
     code, _, err = cli("import", "miles", tmp_path / "cp", "--out", tmp_path / "store", "--trust-pickle")
-    assert code == 2 and "context-parallel" in err and len(err.strip().splitlines()) == 1
+    assert code == 2 and "context-parallel ranks [1]" in err and len(err.strip().splitlines()) == 1
     write_rollout(tmp_path / "nolp", 0, rollout_samples(1), pp=1)
     for p in (tmp_path / "nolp" / "train_data").glob("*.pt"):  # as with --skip-actor-forward-only
         import torch
