@@ -213,7 +213,8 @@ def run_row(run_id: str, root: Path, fmt: str, framework: str, args, disc: Disco
     }  # fmt: skip
 
 
-LOOKS_LIKE = {"prime-rl": "prime-rl token export", "slime": "slime dump", "jsonl": "mismatch-lab jsonl file"}
+LOOKS_LIKE = {"prime-rl": "prime-rl token export", "slime": "slime dump", "jsonl": "mismatch-lab jsonl file",
+              "nemo-rl": "NeMo-RL training-data log", "skyrl": "SkyRL training-batch dump"}
 
 
 def guess_format(path: Path) -> str | None:
@@ -224,6 +225,10 @@ def guess_format(path: Path) -> str | None:
             return "prime-rl"
         if (path / "train_data").is_dir() or any(path.glob("*.pt")):
             return "slime"
+        if any(path.glob("train_data_step*.jsonl")) or any(path.glob("exp_*/train_data_step*.jsonl")):
+            return "nemo-rl"
+        if (path / "dumped_data").is_dir() or any(path.glob("global_step_*_training_input.pkl")):
+            return "skyrl"
         first = next(iter(sorted(path.glob("*.jsonl"))), None)
         return None if first is None else guess_format(first)
     try:
@@ -233,6 +238,8 @@ def guess_format(path: Path) -> str | None:
         return None
     if path.suffix == ".pt" or head.startswith(b"PK\x03\x04"):  # torch.save writes a zip archive
         return "slime"
+    if b'"generation_logprobs"' in head or path.name.startswith("train_data_step"):  # NeMo-RL's lines open with content
+        return "nemo-rl"
     return "prime-rl" if b'"inference_logprobs"' in head else "jsonl" if b'"logp_rollout"' in head else None
 
 

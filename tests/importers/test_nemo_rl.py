@@ -169,3 +169,9 @@ def test_reimporting_the_log_dir_adds_nothing(cli, tmp_path):
     n = counts(store)
     code, out, _ = cli("import", "nemo-rl", tmp_path / "logs", "--out", store)
     assert code == 0 and counts(store) == n and "3 skipped" in out
+
+
+def test_import_jsonl_on_a_nemo_rl_log_dir_names_the_nemo_rl_importer(cli, tmp_path):
+    write_log_dir(tmp_path / "logs", {"exp_001": [1]})
+    code, _, err = cli("import", "jsonl", tmp_path / "logs" / "exp_001", "--out", tmp_path / "store")
+    assert code == 2 and f"mismatch-lab import nemo-rl {tmp_path / 'logs' / 'exp_001'}" in err, err
