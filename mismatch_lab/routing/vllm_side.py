@@ -1,0 +1,81 @@
+"""Routing inside the in-process vLLM engine (vLLM 0.32, CPU).
+
+vLLM 0.32 `model_executor/models/qwen3_moe.py`: `Qwen3MoeSparseMoeBlock` holds `gate` (a `GateLinear`,
+returning `(logits, bias)`) and `experts` (a `MoERunner` that calls the gate and then
+`self.router.select_experts(...)`, `layers/fused_moe/runner/moe_runner.py`). On CPU the router is a
+`CPURouter` whose softmax top-k takes `torch.topk(logits, k, sorted=False)` and renormalizes with a softmax
+over the k logits (`layers/fused_moe/router/cpu_router.py::_softmax_topk`). We read the logits with a
+forward hook on `gate` and the (weights, ids) the experts get by wrapping that router's `select_experts` on
+the instance, for the duration of one call; ids are put in rank order (descending weight). vLLM's own
+`enable_return_routed_experts` needs the GPU model runner and is not used.
+
+The model is reached with `LLM.apply_model` (runs in this process under VLLM_ENABLE_V1_MULTIPROCESSING=0).
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack, contextmanager
+
+import numpy as np
+
+from mismatch_lab.errors import UserError
+from mismatch_lab.routing.compare import Routing, margins
+
+
+def vllm_moe_blocks(engine) -> list:
+    """The MoE blocks of the engine's model (modules with `gate` and `experts.router`), in layer order."""
+    models = engine.llm.apply_model(lambda m: m)
+    blocks = [m for _, m in models[0].named_modules()
+              if hasattr(m, "gate") and hasattr(getattr(m, "experts", None), "router")]
+    if not blocks:
+        raise UserError(f"{engine.model}: vLLM built no MoE block with a router; pass a Qwen3-MoE checkpoint")
+    return blocks
+
+
+@contextmanager
+def _captured(blocks):
+    """Yield (logits, chosen): per block, every call's router logits and the router's (weights, ids)."""
+    logits, chosen = [[] for _ in blocks], [[] for _ in blocks]
+    with ExitStack() as stack:
+        for i, block in enumerate(blocks):
+            router = block.experts.router
+            original = router.select_experts
+
+            def select_experts(*args, _original=original, i=i, **kwargs):
+                w, ids = _original(*args, **kwargs)
+                chosen[i].append((w.detach().float().clone(), ids.detach().clone()))
+                return w, ids
+
+            def on_gate(mod, args, out, i=i):
+                logits[i].append(out[0].detach().float().clone())
+
+            router.select_experts = select_experts
+            stack.callback(vars(router).pop, "select_experts")
+            stack.callback(block.gate.register_forward_hook(on_gate).remove)
+        yield logits, chosen
+
+
+def _rank_ordered(weights: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    order = np.argsort(-weights, axis=-1, kind="stable")
+    return np.take_along_axis(ids, order, -1), np.take_along_axis(weights, order, -1)
+
+
+def vllm_routing(engine, token_ids: list[int]) -> tuple[Routing, np.ndarray]:
+    """vLLM's prefill of `token_ids` (prefix cache reset first, so every token is computed): the routing of
+    each token in each MoE layer and the log-probability of each next token (float64 [N-1])."""
+    blocks = vllm_moe_blocks(engine)
+    n = len(token_ids)
+    engine.llm.reset_prefix_cache()
+    with _captured(blocks) as (logits, chosen):
+        logps, _, _ = engine.prefill_logprobs([(token_ids[:1], token_ids[1:])])[0]
+    for i in range(len(blocks)):  # the prefill is the one call that routed all n tokens
+        logits[i] = [g for g in logits[i] if g.shape[0] == n]
+        chosen[i] = [c for c in chosen[i] if c[1].shape[0] == n]
+        if len(logits[i]) != 1 or len(chosen[i]) != 1:
+            raise RuntimeError(f"vLLM routed {n} tokens in {len(chosen[i])} calls of layer {i} (want 1): chunked "
+                               "prefill or a cached prefix; shorten the sequence or raise max_num_batched_tokens")
+    k = chosen[0][0][1].shape[-1]
+    ids, weights = zip(*(_rank_ordered(c[0][0].numpy(), c[0][1].numpy()) for c in chosen))
+    routing = Routing(ids=np.stack(ids, axis=1), weights=np.stack(weights, axis=1),
+                      margin=np.stack([margins(g[0].numpy(), k) for g in logits], axis=1))
+    return routing, np.asarray(logps, dtype=np.float64)
