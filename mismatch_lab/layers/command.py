@@ -16,10 +16,6 @@ import math
 from mismatch_lab.cli import json_output
 from mismatch_lab.errors import UserError
 
-ENGINES = ("hf", "vllm")
-VLLM_UNAVAILABLE = ("--engine vllm: per-layer hooks inside vLLM's engine are not available yet (vLLM fuses the "
-                    "residual add into its RMSNorm and computes logits only at sampled positions, so its layer "
-                    "outputs need their own mapping); use --engine hf")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,7 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--prompts", help="JSON Lines file of {\"id\", \"prompt\"} as collect reads (default: the doctor probe's 12 prompts)")
     a("--dtype", default="bf16", help=f"the dtype compared against fp32: {', '.join(DTYPES)} (default bf16; "
                                       "fp32 is the null check)")
-    a("--engine", default="hf", help="the engine running --dtype: hf (default); vllm is not available yet")
+    a("--engine", default="hf", help="the engine running --dtype: hf (default) or vllm (in-process engine); the "
+                                     "fp32 reference is always HF")
     a("--continuation", type=int, default=DEFAULT_CONTINUATION,
       help=f"greedy tokens the fp32 model appends to each prompt (default {DEFAULT_CONTINUATION}; 0 = prompts alone)")
     a("--device", help="torch device (default cuda when available, else cpu)")
@@ -49,13 +46,11 @@ def _prompts(path: str | None) -> list[dict]:
 
 
 def _check(args) -> None:
-    from mismatch_lab.layers.measure import check_dtype
+    from mismatch_lab.layers.measure import SIDES, check_dtype
 
     check_dtype(args.dtype)
-    if args.engine not in ENGINES:
-        raise UserError(f"--engine {args.engine}: use one of {', '.join(ENGINES)}")
-    if args.engine == "vllm":
-        raise UserError(VLLM_UNAVAILABLE)
+    if args.engine not in SIDES:
+        raise UserError(f"--engine {args.engine}: use one of {', '.join(SIDES)}")
     if args.continuation < 0:
         raise UserError(f"--continuation {args.continuation}: pass 0 or more tokens")
     if args.figure and not args.figure.endswith(".png"):
@@ -130,14 +125,14 @@ def figure(doc: dict, path: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mismatch_lab.layers.measure import measure_hf
+    from mismatch_lab.layers.measure import measure
     from mismatch_lab.models import resolve_model
 
     _check(args)
     json_path = json_output(args.json, "layers.json")
     prompts = _prompts(args.prompts)
     model = resolve_model(args.model)
-    layers, acc = measure_hf(model, args.dtype, prompts, args.continuation, device=args.device)
+    layers, acc = measure(model, args.dtype, prompts, args.continuation, engine=args.engine, device=args.device)
     doc = report(model, args, layers, acc)
     print(table(doc))
     if json_path is not None:

@@ -8,6 +8,7 @@ every measured layer's output is compared over all T positions of every sequence
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from mismatch_lab.errors import UserError
@@ -39,15 +40,19 @@ class Accumulator:
 
     def add(self, outputs: dict, ref_outputs: dict) -> None:
         for name, ref in ref_outputs.items():
-            h = outputs[name].cpu().numpy()
-            d, r = metrics.squared_norms(h, ref.cpu().numpy())
+            d, r = metrics.squared_norms(_numpy(outputs[name]), _numpy(ref))
             s = self.sums.setdefault(name, Sums())
             s.diff_sq, s.ref_sq = s.diff_sq + d, s.ref_sq + r
-        tv, kl = metrics.token_tv_kl(outputs["logits"].cpu().numpy(), ref_outputs["logits"].cpu().numpy())
+        tv, kl = metrics.token_tv_kl(_numpy(outputs["logits"]), _numpy(ref_outputs["logits"]))
         self.tv += tv.tolist()
         self.kl += kl.tolist()
         self.tokens += int(tv.shape[0])
         self.sequences += 1
+
+
+def _numpy(t):
+    """A captured [T, D] tensor as float64 numpy (exact: every float dtype here converts to float64 exactly)."""
+    return t.double().cpu().numpy()
 
 
 def check_dtype(dtype: str) -> str:
@@ -99,18 +104,79 @@ def forward(engine, ids: list[int], layers) -> dict:
     return cap.outputs
 
 
-def measure_hf(model: str, dtype: str, prompts: list[dict], continuation: int = DEFAULT_CONTINUATION,
-               device: str | None = None) -> tuple[list, Accumulator]:
-    """HF at `dtype` against HF fp32 on the same tokens: (the layers, the accumulated sums)."""
+@contextmanager
+def hf_side(model: str, dtype: str, device: str, seqs: list[list[int]]):
+    """Yield ids -> {layer name: [T, D]} of the HF model at `dtype` (forward hooks, one forward per sequence)."""
+    from mismatch_lab.engines.hf_engine import HFEngine
+    from mismatch_lab.layers.hooks import find_layers
+
+    engine = HFEngine(model, dtype, device=device)
+    layers = find_layers(engine.model)
+    yield lambda ids: forward(engine, ids, layers)
+
+
+@contextmanager
+def vllm_side(model: str, dtype: str, device: str, seqs: list[list[int]]):
+    """Yield ids -> {layer name: [T, D]} of the in-process vLLM engine at `dtype`: forward hooks on the engine's
+    own model (`LLM.apply_model`), one prefill per sequence (`max_tokens=1`, prefix cache reset first so every
+    position is computed), the logits by the model's own `compute_logits` on the captured norm output."""
+    import os
+
+    import torch
+
+    from mismatch_lab.engines.vllm_engine import VLLMEngine
+    from mismatch_lab.layers.hooks import Capture, find_vllm_layers
+
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
+        raise UserError("--engine vllm hooks the engine's model in this process: unset "
+                        "VLLM_ENABLE_V1_MULTIPROCESSING or set it to 0")
+    engine = VLLMEngine(model, dtype, device=device, max_model_len=max(512, max(map(len, seqs)) + 1),
+                        kv_cache_bytes=256 << 20)
+    net = engine.llm.apply_model(lambda m: m)[0]
+    layers = find_vllm_layers(net)
+
+    def run(ids: list[int]) -> dict:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        engine.llm.reset_prefix_cache()
+        with Capture(layers) as cap:
+            engine.llm.generate([TokensPrompt(prompt_token_ids=ids)], SamplingParams(max_tokens=1, temperature=0),
+                                use_tqdm=False)
+        out = cap.outputs
+        with torch.no_grad():
+            out["logits"] = net.compute_logits(out["norm"])
+        if any(v.shape[0] != len(ids) for v in out.values()):
+            raise RuntimeError(f"vLLM hooks captured {[v.shape[0] for v in out.values()]} rows for {len(ids)} tokens")
+        return out
+
+    try:
+        yield run
+    finally:
+        engine.close()
+
+
+SIDES = {"hf": hf_side, "vllm": vllm_side}
+"""--engine -> the context manager running the `--dtype` side (the reference is always HF fp32)."""
+
+
+def measure(model: str, dtype: str, prompts: list[dict], continuation: int = DEFAULT_CONTINUATION,
+            engine: str = "hf", device: str | None = None) -> tuple[list, Accumulator]:
+    """`engine` at `dtype` against HF fp32 on the same tokens: (the reference's layers, the accumulated sums)."""
     from mismatch_lab.engines.hf_engine import HFEngine
     from mismatch_lab.layers.hooks import find_layers
 
     ref = HFEngine(model, REFERENCE, device=device)
-    low = HFEngine(model, check_dtype(dtype), device=ref.device)
-    ref_layers, low_layers = find_layers(ref.model), find_layers(low.model)
+    ref_layers = find_layers(ref.model)
+    seqs = sequences(ref, prompts, continuation)
     acc = Accumulator()
-    for ids in sequences(ref, prompts, continuation):
-        acc.add(forward(low, ids, low_layers), forward(ref, ids, ref_layers))
+    with SIDES[engine](model, check_dtype(dtype), ref.device, seqs) as low:
+        for ids in seqs:
+            out = low(ids)
+            if set(out) != {la.name for la in ref_layers}:
+                raise RuntimeError(f"{engine}:{dtype} has the layers {sorted(out)}, the fp32 reference "
+                                   f"{[la.name for la in ref_layers]}")
+            acc.add(out, forward(ref, ids, ref_layers))
     return ref_layers, acc
 
 

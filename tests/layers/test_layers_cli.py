@@ -40,7 +40,6 @@ def test_layers_prints_the_table_and_writes_rows_in_input_to_output_order_and_a_
 
 @pytest.mark.parametrize("argv, message", [
     (["--dtype", "int8"], "--dtype int8: use one of bf16, fp16, fp32"),
-    (["--engine", "vllm"], "--engine vllm: per-layer hooks inside vLLM"),
     (["--engine", "sglang"], "--engine sglang: use one of hf, vllm"),
     (["--continuation", "-1"], "--continuation -1: pass 0 or more tokens"),
     (["--figure", "x.pdf"], "--figure x.pdf: pass a .png path"),

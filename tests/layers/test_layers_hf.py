@@ -19,7 +19,7 @@ def measured(tiny_model):
     """dtype -> the rows of the tiny model at that dtype against fp32 (two prompts, 3 greedy tokens)."""
     out = {}
     for dtype in ("fp32", "bf16"):
-        layers, acc = measure.measure_hf(tiny_model, dtype, PROMPTS, continuation=3, device="cpu")
+        layers, acc = measure.measure(tiny_model, dtype, PROMPTS, continuation=3, device="cpu")
         out[dtype] = (measure.rows(layers, acc), acc)
     return out
 
