@@ -365,19 +365,26 @@ def _frozen(overrides) -> tuple:
     return tuple(sorted((m, tuple(sorted(p.items()))) for m, p in (overrides or {}).items()))
 
 
-def _sampled(cur, every: int):
+def _sampled(cur, every: int, pair: tuple[str, str] | None = None):
     """`cur` with temporary views `sequences`, `tokens`, `scores` that keep the prompt groups (run, step,
     prompt id: the partition of the derived group advantage, so no sequence's advantage changes) whose hash
-    falls in 1 of `every`, with all their sequences, tokens and scores. The views live with the cursor."""
+    falls in 1 of `every`, with all their sequences, tokens and scores; with `pair` (rollout, scorer) also
+    `runs` and `scores` of that pair only. The views live with the cursor."""
     from mismatch_lab.analysis.relations import col, table_columns
+    from mismatch_lab.store.schema import rollout_label_sql
 
     db = cur.execute("SELECT current_database()").fetchone()[0].replace('"', '""')
     qc = table_columns(cur, "sequences")
     key = f"hash(q.run_id, {col(qc, 'q', 'step', 'INTEGER')}, {col(qc, 'q', 'prompt_id', 'VARCHAR')})"
     cur.execute(f'CREATE TEMP VIEW sequences AS SELECT q.* FROM "{db}".main.sequences q WHERE {key} % {int(every)} = 0')
+    rollout, scorer = ("'" + str(x).replace("'", "''") + "'" for x in pair) if pair else (None, None)  # SQL literals
     for table in ("tokens", "scores"):
+        only = f" WHERE x.scorer = {scorer}" if table == "scores" and pair else ""
         cur.execute(f'CREATE TEMP VIEW {table} AS SELECT x.* FROM "{db}".main.{table} x '
-                    "SEMI JOIN sequences q ON q.run_id = x.run_id AND q.seq_id = x.seq_id")
+                    f"SEMI JOIN sequences q ON q.run_id = x.run_id AND q.seq_id = x.seq_id{only}")
+    if pair:
+        cur.execute(f'CREATE TEMP VIEW runs AS SELECT runs.* FROM "{db}".main.runs runs '
+                    f"WHERE {rollout_label_sql('runs')} = {rollout}")
     return cur
 
 
@@ -388,9 +395,9 @@ def sample_size(con) -> dict:
 
 
 @st.cache_data(ttl=TTL_S, show_spinner="Querying a sample…", max_entries=512)
-def _cached_sample(path: str, every: int, module: str, name: str, args: tuple, kwargs: tuple):
+def _cached_sample(path: str, every: int, pair: tuple | None, module: str, name: str, args: tuple, kwargs: tuple):
     fn = getattr(importlib.import_module(module), name)
-    return _on_store(path, lambda cur: fn(_sampled(cur, every), *args, **dict(kwargs)))
+    return _on_store(path, lambda cur: fn(_sampled(cur, every, pair), *args, **dict(kwargs)))
 
 
 def corrections_sample_every(path: str | None = None) -> int:
@@ -399,41 +406,62 @@ def corrections_sample_every(path: str | None = None) -> int:
     return max(1, math.ceil(n / CORRECTIONS_SAMPLE_TOKENS))
 
 
-def corrections_view(overrides=None, exact: bool = False):
-    """(tables, sample) for the Corrections page: every method on every token when `exact`, when the store is
-    small, or when that comparison is already cached (sample None); else the comparison of a sample of prompt
-    groups, with `sample` = {every, sequences, tokens, store_sequences, store_tokens, background}. (None, None):
-    no pair."""
+def _exact_tables(path: str, overrides):
+    """Every method on every token of the store (cached), or None when it has no (rollout, scorer) pair."""
     from mismatch_lab.corrections.compare import compare
+    from mismatch_lab.corrections.layout import pair_info
+
+    if overrides and _call(path, pair_info).empty:
+        return None
+    tables = _call(path, compare, overrides=overrides) if overrides else corrections_of(path)
+    if tables is not None:
+        _EXACT_DONE[(path, _frozen(overrides))] = time.monotonic()
+    return tables
+
+
+def corrections_pairs(overrides=None, exact: bool = False):
+    """(pairs, sample) for the Corrections page: the (rollout, scorer) rows it compares, in the comparison's
+    order, and None when it compares every token (when `exact`, when the store is small, or when that
+    comparison is already cached), else the sample it compares: {every, sequences, tokens, store_sequences,
+    store_tokens, background}. A sample is compared one pair at a time (`corrections_tables`)."""
     from mismatch_lab.corrections.layout import pair_info
 
     path = store()
     every = corrections_sample_every(path)
     done = _EXACT_DONE.get((path, _frozen(overrides)), -math.inf) > time.monotonic() - TTL_S
-    if exact or every == 1 or done:
-        tables = corrections_of(path) if not overrides else _call(path, compare, overrides=overrides)
-        if tables is not None:
-            _EXACT_DONE[(path, _frozen(overrides))] = time.monotonic()
-        return tables, None
-    if _cached_sample(path, every, pair_info.__module__, "pair_info", (), ()).empty:
-        return corrections_view(overrides, exact=True)  # the sample missed every pair: the whole store
-    kwargs = (("overrides", overrides or None),)
-    tables = _cached_sample(path, every, compare.__module__, "compare", (), kwargs)
-    sample = _cached_sample(path, every, __name__, "sample_size", (), ())
+    info = None if exact or every == 1 or done else _cached_sample(path, every, None, pair_info.__module__,
+                                                                    "pair_info", (), ())
+    if info is None or info.empty:  # (a sample that missed every pair: the whole store)
+        tables = _exact_tables(path, overrides)
+        pairs = tables["corrections"] if tables is not None else pd.DataFrame(columns=["rollout", "scorer"])
+        return pairs[["rollout", "scorer"]].drop_duplicates().reset_index(drop=True), None
+    sample = _cached_sample(path, every, None, __name__, "sample_size", (), ())
     whole = _call(path, sample_size)
     background = not overrides and os.environ.get("MISMATCH_LAB_APP_WARMUP", "1") != "0"  # the warm-up's last step
-    return tables, {"every": every, **sample, "store_sequences": whole["sequences"], "store_tokens": whole["tokens"],
-                    "background": background}
+    return info[["rollout", "scorer"]], {"every": every, **sample, "store_sequences": whole["sequences"],
+                                         "store_tokens": whole["tokens"], "background": background}
 
 
-def dropped_tokens_of(method: str, rollout: str, scorer: str, overrides=None, every: int = 1):
-    """The tokens `method` drops on the pair, on the same tokens as the comparison shown (a sample: `every`)."""
+def corrections_tables(overrides, rollout: str, scorer: str, sample: dict | None):
+    """The comparison's tables holding the pair (rollout, scorer): of every token (sample None: every pair),
+    or of the sample (that pair only)."""
+    from mismatch_lab.corrections.compare import compare
+
+    if sample is None:
+        return _exact_tables(store(), overrides)
+    kwargs = (("overrides", overrides or None),)
+    return _cached_sample(store(), sample["every"], (rollout, scorer), compare.__module__, "compare", (), kwargs)
+
+
+def dropped_tokens_of(method: str, rollout: str, scorer: str, overrides, sample: dict | None):
+    """The tokens `method` drops on the pair, on the same tokens as the comparison shown (the sample's, if any)."""
     from mismatch_lab.corrections.dropped import dropped_tokens
 
-    if every == 1:
+    if sample is None:
         return query(dropped_tokens, method, rollout, scorer, overrides=overrides or None)
     kwargs = (("overrides", overrides or None),)
-    return _cached_sample(store(), every, dropped_tokens.__module__, "dropped_tokens", (method, rollout, scorer), kwargs)
+    return _cached_sample(store(), sample["every"], (rollout, scorer), dropped_tokens.__module__, "dropped_tokens",
+                          (method, rollout, scorer), kwargs)
 
 
 class _PairRows:

@@ -108,29 +108,29 @@ if items:
 exact = st.toggle("Every token", key="corr_exact",
                   help="compare the methods on every token of the store (a large store opens on a sample of its "
                   "prompt groups until that comparison is cached: the app's warm-up computes it in the background)")
-tables, sample = lab_ui.corrections_view(overrides, exact)  # (warmed)
+pairs, sample = lab_ui.corrections_pairs(overrides, exact)  # (warmed)
 if sample is not None:
     st.info(
         f"Computed on a sample: {sample['tokens']:,} of the store's {sample['store_tokens']:,} tokens "
         f"({sample['sequences']:,} of {sample['store_sequences']:,} sequences), the prompt groups whose hash falls in "
         f"1 of {sample['every']} (groups kept whole, so derived advantages are unchanged). Every number below is "
-        "of the sample. "
+        "of the sample, compared one pair at a time. "
         + ("The comparison of every token is computed in the background and replaces it at the next interaction "
            "once done; switch on *Every token* to wait for it." if sample["background"] else
            "Switch on *Every token* to compare the methods on every token (computed now, then cached).")
     )
-main = tables["corrections"] if tables is not None else None
-if main is None or main.empty:  # (compare() needs at least one pair)
+if pairs.empty:  # (compare() needs at least one pair)
     st.info("No scored tokens yet: the comparison needs a rollout and at least one scorer.")
     st.stop()
 
 # ---- pair and filters -----------------------------------------------------------------------------------
-pairs = main[["rollout", "scorer"]].drop_duplicates().reset_index(drop=True)
 labels = [f"{r.rollout} → {r.scorer}" for r in pairs.itertuples()]
 c = st.columns([2, 2, 3])
 lab_ui.keep_valid("corr_pair", list(range(len(labels))))
 pick = c[0].selectbox("Pair (rollout μ → scorer π)", range(len(labels)), format_func=labels.__getitem__, key="corr_pair")
 rollout, scorer = pairs.rollout[pick], pairs.scorer[pick]
+tables = lab_ui.corrections_tables(overrides, rollout, scorer, sample)  # a sample: this pair only
+main = tables["corrections"]
 here = main[(main["rollout"] == rollout) & (main["scorer"] == scorer)].reset_index(drop=True)
 split = c[1].radio("Tokens", list(SPLITS), format_func=lambda s: SPLITS[s][2], key="corr_split")
 view = here
@@ -212,7 +212,7 @@ if not droppers:
 lab_ui.keep_valid("corr_method", droppers)
 method = st.selectbox("Method", droppers, key="corr_method",
                       help="the methods that drop at least one token of this pair (whole pair, no filter)")
-tokens = lab_ui.dropped_tokens_of(method, rollout, scorer, overrides, every=sample["every"] if sample else 1)
+tokens = lab_ui.dropped_tokens_of(method, rollout, scorer, overrides, sample)
 seqs = dropped_sequences(tokens)
 st.caption(
     f"{method} drops {len(tokens):,} of {n_tokens:,} tokens in {len(seqs):,} sequences "

@@ -59,6 +59,19 @@ def test_the_sample_keeps_prompt_groups_whole_and_compares_like_a_store_of_only_
         pd.testing.assert_frame_equal(sampled[name], table)  # bitwise: the same rows in the same order
 
 
+def test_the_sample_of_one_pair_holds_that_pairs_rows_of_the_sample_of_every_pair(grouped):
+    con = open_store(grouped.path)
+    try:
+        every_pair = compare(lab_ui._sampled(con.cursor(), EVERY))
+        one = compare(lab_ui._sampled(con.cursor(), EVERY, ("vllm:bf16", "hf:bf16")))
+    finally:
+        con.close()
+    for name, table in one.items():
+        assert set(zip(table["rollout"], table["scorer"])) == {("vllm:bf16", "hf:bf16")}
+        mine = every_pair[name][every_pair[name]["scorer"] == "hf:bf16"].reset_index(drop=True)
+        pd.testing.assert_frame_equal(table.reset_index(drop=True), mine)
+
+
 def test_the_page_shows_a_sample_of_a_large_store_with_its_size_and_every_token_on_demand(grouped, monkeypatch):
     monkeypatch.setenv("MISMATCH_LAB_STUDY", str(grouped.path))
     monkeypatch.setenv("MISMATCH_LAB_APP_WARMUP", "0")
@@ -73,6 +86,7 @@ def test_the_page_shows_a_sample_of_a_large_store_with_its_size_and_every_token_
     try:
         sampled = compare(lab_ui._sampled(con.cursor(), EVERY))["corrections"]
         full = compare(con)["corrections"]
+        sampled, full = (t[t["scorer"] == "hf:bf16"] for t in (sampled, full))  # the first pair, as listed
     finally:
         con.close()
     assert f"of the store's {n_tokens:,} tokens" in note and f"1 of {EVERY}" in note
