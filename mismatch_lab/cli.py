@@ -45,6 +45,7 @@ SUBCOMMANDS = {
                     "every correction method (verl, TRL, slime, prime-rl, DPPO, ...) on the same tokens of a store"),
     "doctor": ("mismatch_lab.doctor.command", "verdicts on each rollout/trainer pair against published bands; a CI gate"),
     "layers": ("mismatch_lab.layers.command", "per-layer relative error of a bf16/fp16 model against fp32 on the same tokens"),
+    "routing": ("mismatch_lab.routing.command", "MoE expert routing of vLLM at a dtype vs HF fp32 on the same tokens; R3 replay"),
 }
 
 
@@ -69,6 +70,10 @@ class _LazySubcommands(argparse._SubParsersAction):
     def __call__(self, parser, namespace, values, option_string=None):
         chosen = self._name_parser_map.get(values[0])
         if chosen is not None and not chosen.get_default("_run"):
+            from mismatch_lab.extras import missing_line
+
+            if line := missing_line(values[0]):  # a light install: say which extra, before any import fails
+                parser.exit(2, f"mismatch-lab {values[0]}: error: {line}\n")
             module = importlib.import_module(SUBCOMMANDS[values[0]][0])
             module.add_arguments(chosen)
             chosen.set_defaults(_run=module.run)

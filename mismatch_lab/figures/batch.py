@@ -3,24 +3,19 @@
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING
 
 import duckdb
 import numpy as np
 import pandas as pd
-from matplotlib.figure import Figure
 
 from mismatch_lab.analysis import definitions as d
 from mismatch_lab.analysis.relations import query
 from mismatch_lab.analysis.rows import Rows
-from mismatch_lab.figures.base import (
-    DTYPE_COLORS,
-    Skip,
-    dtype_of,
-    finish,
-    pair_key,
-    panel_grid,
-)
 from mismatch_lab.scoring.hf_scorer import SCORE_BATCH_TOKENS, SCORE_CHUNK_ROWS
+
+if TYPE_CHECKING:  # matplotlib only where a figure is drawn: `doctor` reads the run comparisons in a light install
+    from matplotlib.figure import Figure
 
 # -- 7: batch invariance ---------------------------------------------------------------------------
 DEFAULT_SCORER_SETTING = (SCORE_BATCH_TOKENS, SCORE_CHUNK_ROWS)  # the scorer's defaults: padded tokens per forward, rows per vocab chunk
@@ -165,6 +160,8 @@ def fig7_batch_invariance(con: duckdb.DuckDBPyConnection, rows: Rows | None = No
     generation batch that differ only in the scorer's batch composition (`scorer.batch_tokens`, padded
     tokens per forward) or vocabulary chunk (`scorer.chunk_rows`), compared per scorer on the shared
     prefix: mean |Δ log π| and the share of bit-identical log π."""
+    from mismatch_lab.figures.base import Skip, finish, panel_grid
+
     runs = batch_runs(con)
     rollout_groups = batch_groups(runs)
     scorer_groups = {k: g.drop_duplicates("setting") for k, g in runs.groupby(["rollout", "batch"])
@@ -188,6 +185,8 @@ def fig7_batch_invariance(con: duckdb.DuckDBPyConnection, rows: Rows | None = No
 
 def _rollout_panels(ax_share, ax_dlogp, res: pd.DataFrame) -> str:
     """Figure 7's rollout panels (identical sequences, |Δ log μ| by batch size); returns their caption."""
+    from mismatch_lab.figures.base import DTYPE_COLORS, dtype_of
+
     axes = [ax_share, ax_dlogp]
     ticks = set()
     for rollout, g in res.groupby("rollout"):
@@ -227,6 +226,8 @@ def _rollout_panels(ax_share, ax_dlogp, res: pd.DataFrame) -> str:
 
 def _scorer_panel(ax, sres: pd.DataFrame) -> str:
     """Figure 7's scorer panel (|Δ log π| per scorer setting); returns its caption."""
+    from mismatch_lab.figures.base import DTYPE_COLORS, dtype_of, pair_key
+
     sres = sres.assign(label=[f"{r.rollout} b{r.batch}: {_setting_label(r.setting)}" for r in sres.itertuples()])
     labels = list(dict.fromkeys(sres["label"]))
     scorers = sorted(sres["scorer"].unique(), key=lambda s: pair_key("", s))
