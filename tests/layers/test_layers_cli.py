@@ -56,3 +56,32 @@ def test_a_prompts_file_that_is_not_json_lines_is_a_user_error_naming_the_line(t
     bad.write_text('{"id": "a", "prompt": "ok"}\nnot json\n')
     assert main(["layers", "--prompts", str(bad)]) == 2
     assert f"{bad}:2: not valid JSON" in capsys.readouterr().err
+
+
+def test_layers_help_and_a_bad_dtype_import_neither_torch_transformers_vllm_nor_matplotlib():
+    import subprocess
+    import sys
+
+    probe = ("import sys\nfrom mismatch_lab.cli import main\n"
+             "try: main(['layers', '--help'])\nexcept SystemExit: pass\n"
+             "assert main(['layers', '--dtype', 'int8']) == 2\n"
+             "print([m for m in ('torch', 'transformers', 'vllm', 'matplotlib') if m in sys.modules])")
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "[]"
+    assert "--dtype int8: use one of" in proc.stderr
+
+
+@pytest.mark.slow
+def test_on_the_embedded_model_bf16_departs_more_at_the_logits_than_at_the_first_block(embedded_model, tmp_path,
+                                                                                      capsys):
+    out = tmp_path / "layers.json"
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": "a", "prompt": "What is the capital of France?"}\n')
+    assert main(["layers", "--prompts", str(prompts), "--continuation", "0", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    by = {r["layer"]: r for r in doc["rows"]}
+    assert len(doc["rows"]) == 1 + 2 * 30 + 2  # SmolLM2-135M: 30 blocks
+    assert 0 < by["embed"]["rel_err"] <= 2.0 ** -8  # one bf16 rounding per element (test_layers_hf)
+    assert by["logits"]["rel_err"] > by["attn.0"]["rel_err"]  # compounded through 30 blocks and the bf16 lm_head
+    assert doc["fastest_growth"] is not None and 0 < by["logits"]["tv_mean"] < 1
