@@ -46,6 +46,7 @@ from pathlib import Path
 import numpy as np
 
 from mismatch_lab.errors import UserError
+from mismatch_lab.extras import TORCH_HINT, missing
 from mismatch_lab.importers import slime
 from mismatch_lab.importers.base import Discovery, Source
 
@@ -64,6 +65,9 @@ def discover(path: Path, args) -> Discovery:
     if not getattr(args, "trust_pickle", False):
         raise UserError("miles dumps are Python pickles (torch.save) and loading a pickle can run any code it "
                         f"contains: pass --trust-pickle to load the files under {path} if you trust them")
+    if missing(("torch",)):  # the light install: the pickles hold torch objects
+        raise UserError(f"miles dumps hold torch objects and loading them needs torch, which this install lacks: "
+                        f"{TORCH_HINT}")
     if path.is_file():
         raise UserError(f"{path}: pass the --dump-details folder or its train_data folder (a rollout's samples are "
                         "spread over the files of every rank)")

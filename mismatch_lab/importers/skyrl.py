@@ -44,6 +44,7 @@ from pathlib import Path
 import numpy as np
 
 from mismatch_lab.errors import UserError
+from mismatch_lab.extras import TORCH_HINT, missing
 from mismatch_lab.importers.base import Discovery, Source
 from mismatch_lab.record.arrow import bad_token_ids, describe_bad_ids
 from mismatch_lab.record.flat import (
@@ -75,6 +76,9 @@ def discover(path: Path, args) -> Discovery:
     if not getattr(args, "trust_pickle", False):
         raise UserError("SkyRL dumps are Python pickles and loading a pickle can run any code it contains: "
                         f"pass --trust-pickle to load the files under {path} if you trust them")
+    if missing(("torch",)):  # the light install: the pickles hold torch objects
+        raise UserError(f"SkyRL dumps hold torch objects and loading them needs torch, which this install lacks: "
+                        f"{TORCH_HINT}")
     if path.is_file():
         if not STEP_FILE.match(path.name):
             raise UserError(f"{path} is not a SkyRL training-batch dump: expected global_step_<N>_training_input.pkl")

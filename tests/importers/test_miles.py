@@ -92,3 +92,16 @@ def test_import_slime_on_a_miles_dump_names_the_miles_importer(cli, tmp_path):
     write_rollout(tmp_path / "dump", 0, rollout_samples(1), pp=1)
     code, _, err = cli("import", "slime", tmp_path / "dump", "--out", tmp_path / "store", "--trust-pickle")
     assert code == 2 and f"mismatch-lab import miles {tmp_path / 'dump'} --out STORE" in err, err
+
+
+def test_without_torch_the_import_names_what_to_install_in_one_line(tmp_path):
+    import subprocess
+    from pathlib import Path
+
+    light = Path(__file__).resolve().parents[2] / ".venv-light" / "bin" / "mismatch-lab"
+    assert light.exists(), "run `bash scripts/setup.sh`, which builds the light install (no torch) in .venv-light"
+    write_rollout(tmp_path / "dump", 0, rollout_samples(1))
+    done = subprocess.run([str(light), "import", "miles", str(tmp_path / "dump"), "--out", str(tmp_path / "store"),
+                           "--trust-pickle"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "needs torch" in done.stderr and len(done.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "store").exists()

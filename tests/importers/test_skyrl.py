@@ -101,3 +101,17 @@ def test_a_pickle_that_is_no_training_batch_is_a_one_line_error(cli, tmp_path):
     path.write_bytes(pickle.dumps({"sequences": [1, 2]}))
     code, _, err = cli("import", "skyrl", tmp_path / "export", "--out", tmp_path / "store", "--trust-pickle")
     assert code == 2 and "not a SkyRL TrainingInputBatch" in err
+
+
+def test_without_torch_the_import_names_what_to_install_in_one_line(tmp_path):
+    import subprocess
+    from pathlib import Path
+
+    light = Path(__file__).resolve().parents[2] / ".venv-light" / "bin" / "mismatch-lab"
+    assert light.exists(), "run `bash scripts/setup.sh`, which builds the light install (no torch) in .venv-light"
+    fields, meta = step_fields(1)
+    save(fields, meta, tmp_path / "export" / "dumped_data" / "global_step_1_training_input.pkl")
+    done = subprocess.run([str(light), "import", "skyrl", str(tmp_path / "export"), "--out", str(tmp_path / "store"),
+                           "--trust-pickle"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "needs torch" in done.stderr and len(done.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "store").exists()
