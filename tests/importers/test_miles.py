@@ -26,8 +26,8 @@ def _expected(dumps: dict) -> dict:
 
 
 @pytest.mark.parametrize("layout", [{"dp": 2, "pp": 2}, {"dp": 2, "pp": 1, "tp": 2}, {"dp": 1, "pp": 2, "cp_size": 2},
-                                    {"dp": 2, "pp": 1, "cp_size": 3, "tp": 2}],
-                         ids=["dp2-pp2", "dp2-tp2", "pp2-cp2", "dp2-cp3-tp2"])
+                                    {"dp": 2, "pp": 1, "cp_size": 3, "tp": 2}, {"dp": 1, "pp": 1, "cp_size": 2, "qkv_format": "bshd"}],
+                         ids=["dp2-pp2", "dp2-tp2", "pp2-cp2", "dp2-cp3-tp2", "cp2-bshd"])
 def test_every_stored_token_matches_a_plain_pass_joined_over_the_rank_files(cli, tmp_path, layout):
     dumps = _dump(tmp_path / "dump", **layout)
     store = tmp_path / "store"
@@ -102,6 +102,6 @@ def test_without_torch_the_import_names_what_to_install_in_one_line(tmp_path):
     assert light.exists(), "run `bash scripts/setup.sh`, which builds the light install (no torch) in .venv-light"
     write_rollout(tmp_path / "dump", 0, rollout_samples(1))
     done = subprocess.run([str(light), "import", "miles", str(tmp_path / "dump"), "--out", str(tmp_path / "store"),
-                           "--trust-pickle"], capture_output=True, text=True, timeout=300)
+                           "--trust-pickle"], capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 2 and "needs torch" in done.stderr and len(done.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "store").exists()

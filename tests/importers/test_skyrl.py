@@ -112,6 +112,6 @@ def test_without_torch_the_import_names_what_to_install_in_one_line(tmp_path):
     fields, meta = step_fields(1)
     save(fields, meta, tmp_path / "export" / "dumped_data" / "global_step_1_training_input.pkl")
     done = subprocess.run([str(light), "import", "skyrl", str(tmp_path / "export"), "--out", str(tmp_path / "store"),
-                           "--trust-pickle"], capture_output=True, text=True, timeout=300)
+                           "--trust-pickle"], capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 2 and "needs torch" in done.stderr and len(done.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "store").exists()

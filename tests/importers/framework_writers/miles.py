@@ -44,10 +44,11 @@ def rollout_samples(seed: int, n: int = 6) -> list[dict]:
     return out
 
 
-def _offsets(total_length: int, response_length: int, cp_rank: int, cp_size: int) -> tuple:
-    """miles `get_logits_and_tokens_offset_with_cp` (qkv_format "thd"): the two logit ranges of a cp rank."""
+def _offsets(total_length: int, response_length: int, cp_rank: int, cp_size: int, max_seq_len: int | None = None) -> tuple:
+    """miles `get_logits_and_tokens_offset_with_cp`: the two logit ranges of a cp rank (qkv_format "thd" when
+    max_seq_len is None, else "bshd")."""
     prompt_length = total_length - response_length
-    chunk_size = (total_length + 2 * cp_size - 1) // (2 * cp_size)
+    chunk_size = ((total_length if max_seq_len is None else max_seq_len) + 2 * cp_size - 1) // (2 * cp_size)
     chunk_0 = (cp_rank * chunk_size, (cp_rank + 1) * chunk_size)
     chunk_1 = ((2 * cp_size - cp_rank - 1) * chunk_size, (2 * cp_size - cp_rank) * chunk_size)
     logits_0 = (max(chunk_0[0], prompt_length - 1), min(chunk_0[1], total_length - 1))
@@ -60,31 +61,34 @@ def _offsets(total_length: int, response_length: int, cp_rank: int, cp_size: int
 
 
 def slice_log_prob_with_cp(log_prob: torch.Tensor, total_length: int, response_length: int, cp_rank: int,
-                           cp_size: int) -> torch.Tensor:
+                           cp_size: int, max_token_len: int | None = None) -> torch.Tensor:
     """miles `slice_log_prob_with_cp` (miles/backends/training_utils/cp_utils.py) for one cp rank."""
     assert len(log_prob) == response_length
     if cp_size == 1:
         return log_prob
     prompt_length = total_length - response_length
-    logits_offset = _offsets(total_length, response_length, cp_rank, cp_size)
+    logits_offset = _offsets(total_length, response_length, cp_rank, cp_size, max_token_len)
     chunk_1 = log_prob[logits_offset[0][0] - (prompt_length - 1): logits_offset[0][1] - (prompt_length - 1)]
     chunk_2 = log_prob[logits_offset[1][0] - (prompt_length - 1): logits_offset[1][1] - (prompt_length - 1)]
     return torch.cat([chunk_1, chunk_2], dim=0)
 
 
 def write_rollout(dump_dir: Path, rollout_id: int, samples: list[dict], *, dp: int = 2, pp: int = 2, tp: int = 1,
-                  cp_size: int = 1) -> list[Path]:
+                  cp_size: int = 1, qkv_format: str = "thd") -> list[Path]:
     """One file per rank (rank = ((dp_rank * pp + pp_stage) * cp_size + cp_rank) * tp + tp_rank): the dp_rank's
     share of the samples, log_probs / advantages only on the last pipeline stage, per-token fields (all but
-    loss_masks) the cp rank's slice."""
+    loss_masks) the cp rank's slice. qkv_format "bshd": slices of the padded length `max_seq_lens` (the longest
+    sample rounded up to 8, as get_rollout_data pads)."""
     paths = []
+    longest = max(s["P"] + s["R"] for s in samples)
+    max_seq_len = None if qkv_format == "thd" else (longest + 7) // 8 * 8
     for rank in range(dp * pp * cp_size * tp):
         dp_rank, stage = rank // (pp * cp_size * tp), (rank // (cp_size * tp)) % pp
         cp_rank = (rank // tp) % cp_size
         share = samples[dp_rank::dp]
 
         def cp(key, share=share, cp_rank=cp_rank):
-            return [slice_log_prob_with_cp(torch.tensor(s[key]), s["P"] + s["R"], s["R"], cp_rank, cp_size)
+            return [slice_log_prob_with_cp(torch.tensor(s[key]), s["P"] + s["R"], s["R"], cp_rank, cp_size, max_seq_len)
                     for s in share]
 
         data = {"tokens": [torch.tensor(s["tokens"], dtype=torch.long) for s in share],
@@ -93,6 +97,8 @@ def write_rollout(dump_dir: Path, rollout_id: int, samples: list[dict], *, dp: i
                 "rewards": [s["reward"] for s in share], "raw_reward": [s["reward"] for s in samples],
                 "response_lengths": [s["R"] for s in share], "total_lengths": [s["P"] + s["R"] for s in share],
                 "sample_indices": [s["sample_index"] for s in share]}
+        if max_seq_len is not None:
+            data["max_seq_lens"] = [max_seq_len] * len(share)
         if stage == pp - 1:
             data["log_probs"] = cp("pi")
             data["advantages"] = cp("adv")
@@ -100,7 +106,7 @@ def write_rollout(dump_dir: Path, rollout_id: int, samples: list[dict], *, dp: i
         path = dump_dir / "train_data" / f"{rollout_id}_{rank}.pt"
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save({"rollout_id": rollout_id, "rank": rank, "rollout_data": data, "cp_rank": cp_rank,
-                    "cp_size": cp_size, "qkv_format": "thd"}, path)
+                    "cp_size": cp_size, "qkv_format": qkv_format}, path)
         paths.append(path)
     return paths
 
