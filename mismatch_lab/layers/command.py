@@ -117,10 +117,12 @@ def figure(doc: dict, path: str) -> None:
         ax.axvline(i, color="red", lw=0.8, ls="--", label=f"fastest growth: {doc['rows'][i]['layer']}")
     if any(r["rel_err"] > 0 for r in doc["rows"]):
         ax.set_yscale("log")
+    if len(doc["rows"]) <= 24:
+        ax.set_xticks(range(len(doc["rows"])), [r["layer"] for r in doc["rows"]], rotation=45, fontsize=7)
     ax.set_xlabel("layer (input to output)")
     ax.set_ylabel("rel_err vs fp32")
     ax.set_title(f"{doc['engine']}:{doc['dtype']} vs {doc['reference']}", fontsize=9)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.savefig(path, dpi=120)
 
 

@@ -1,10 +1,12 @@
-"""The layers of a transformers causal LM, found from its architecture, and forward hooks capturing them.
+"""The layers of a causal LM (transformers, or vLLM's model in its in-process engine), found from the
+architecture, and forward hooks capturing their outputs.
 
 A model maps when `model.<base_model_prefix>` holds a ModuleList of blocks under one of ATTRIBUTES["blocks"],
 each block an attention and an MLP submodule under ATTRIBUTES["attn"] / ["mlp"], the base a final norm
 under ATTRIBUTES["norm"], and `get_input_embeddings()` / `get_output_embeddings()` answer (Llama, Qwen2/3,
 Mistral, Gemma: `model.layers[i].self_attn`, `.mlp`, `model.norm`, `lm_head`; GPT-2: `transformer.h[i].attn`,
-`.mlp`, `transformer.ln_f`). Anything else is a UserError naming what was missing.
+`.mlp`, `transformer.ln_f`). Anything else is a UserError naming what was missing. vLLM's models keep the
+same layout under `model.model` (`find_vllm_layers`).
 """
 
 from __future__ import annotations
