@@ -8,4 +8,5 @@
 
 Integrations (one module per framework, imported by its full name; none imports its framework until used):
     trl   `trl.GRPOTrainer` with vLLM rollouts, colocated or server (docs/record.md)
+    verl  a policy loss registered with verl's register_policy_loss, wrapping verl's own (docs/import.md)
 """
