@@ -8,13 +8,16 @@
     B x T: float32 log-probs, int64 ids, a loss mask whose rows keep a random 50-100 % of T (the stored
     tokens), advantages and rewards [B]. Without and with the tokenizer (token_text / category columns,
     what `attach` writes by default). Median seconds of `--repeat` calls after one warm-up call, reported
-    as stored tokens per second.
+    as stored tokens per second; and the median time of reading `Recorder.last_metrics` after the last
+    call (the live metrics of its stored tokens, record/live.py), computed at each read.
 (2) trl: `trl.GRPOTrainer` runs of `--steps` optimizer steps with the same seed and config, colocated
     vLLM on CPU (`use_cpu_weight_sync`), alternately without and with `attach` (`--rounds` pairs); median
     wall time of an optimizer step over each run's steps 2.. (step 1 pays warm-up), measured by a
     TrainerCallback from on_step_begin to on_step_end (generation, scoring, recording, backward and
     optimizer step), printed as a ratio; and the time spent inside `log_step` itself, the direct cost,
-    which the step-to-step noise of a shared machine cannot hide. The runs follow each other in one
+    which the step-to-step noise of a shared machine cannot hide; likewise the time inside attach's live
+    metrics (`_Hook._log_live`: `last_metrics`, handing them to TRL's log, the band checks) per step, as a
+    share of the same run's median recorded step. The runs follow each other in one
     process: one vLLM engine at a time. The load average is printed at the start and the end.
 Prints the CPU model and whether it has AVX-512 BF16 / AMX (bf16 matmuls are emulated without them).
 """
@@ -76,22 +79,28 @@ def bench_write(shapes, repeat: int, tokenizer) -> list[dict]:
                     t0 = time.perf_counter()
                     n = rec.log_step(step, ids, mask, mu, pi, adv, rew)
                     times.append(time.perf_counter() - t0)
+                live = []
+                for _ in range(repeat):
+                    t0 = time.perf_counter()
+                    rec.last_metrics  # noqa: B018 - computed when read: that is what is timed
+                    live.append(time.perf_counter() - t0)
                 rec.close()
                 size = sum(f.stat().st_size for f in (root / "store").rglob("*.parquet")) / (repeat + 1)
             finally:
                 shutil.rmtree(root, ignore_errors=True)
             med = statistics.median(times)
             rows.append({"B": B, "T": T, "tokenizer": with_tok, "tokens": n, "seconds": med, "tok_s": n / med,
-                         "bytes_per_token": size / n})
+                         "bytes_per_token": size / n, "live_s": statistics.median(live)})
     return rows
 
 
 def print_write(rows) -> None:
     print("\n(1) Recorder.log_step from CPU tensors (median of the timed calls)")
-    print(f"{'B x T':>10s} {'texts':>5s} {'stored tokens':>13s} {'s/call':>8s} {'tokens/s':>11s} {'bytes/token':>11s}")
+    print(f"{'B x T':>10s} {'texts':>5s} {'stored tokens':>13s} {'s/call':>8s} {'tokens/s':>11s} {'bytes/token':>11s} "
+          f"{'last_metrics ms':>15s}")
     for r in rows:
         print(f"{r['B']:>4d} x {r['T']:<4d} {'yes' if r['tokenizer'] else 'no':>5s} {r['tokens']:13,d} "
-              f"{r['seconds']:8.3f} {r['tok_s']:11,.0f} {r['bytes_per_token']:11.1f}")
+              f"{r['seconds']:8.3f} {r['tok_s']:11,.0f} {r['bytes_per_token']:11.1f} {r['live_s'] * 1000:15.2f}")
 
 
 # -- (2) overhead in a TRL step ---------------------------------------------------------------------------
@@ -134,9 +143,18 @@ def _run_trl(model: str, out: Path, *, steps: int, completions: int, max_tokens:
     use_cpu_weight_sync(trainer)
     timer = StepTimer()
     trainer.add_callback(timer)
-    log_seconds, tokens = [], []
+    log_seconds, tokens, live_seconds = [], [], []
     if record:
         rec = attach(trainer, out / "store")
+        hook = trainer._mismatch_lab_hook
+        log_live = hook._log_live
+
+        def timed_log_live(step):
+            t0 = time.perf_counter()
+            log_live(step)
+            live_seconds.append(time.perf_counter() - t0)
+
+        hook._log_live = timed_log_live
         log_step = rec.log_step
 
         def timed_log_step(*a, **kw):
@@ -148,7 +166,7 @@ def _run_trl(model: str, out: Path, *, steps: int, completions: int, max_tokens:
 
         rec.log_step = timed_log_step
     trainer.train()
-    result = {"step_times": timer.times, "log_seconds": log_seconds, "tokens": tokens,
+    result = {"step_times": timer.times, "log_seconds": log_seconds, "tokens": tokens, "live_seconds": live_seconds,
               "trl_step_time": [h["step_time"] for h in trainer.state.log_history if "step_time" in h]}
     del trainer.vllm_generation.llm
     trainer = None
@@ -191,6 +209,11 @@ def print_trl(runs: dict, model: str, completions: int, max_tokens: int) -> None
     print(f"  inside log_step: median {log_med * 1000:.1f} ms per step for {statistics.mean(toks):.0f} tokens "
           f"= {log_med / with_ * 100:.2f} % of the median recorded step, {log_med / quiet * 100:.2f} % of the "
           f"fastest step without attach ({quiet:.2f} s, the least disturbed by other jobs)")
+    live = pooled(True, "live_seconds")
+    if live:
+        live_med = statistics.median(live)
+        print(f"  inside the live metrics (last_metrics, TRL's log, band checks): median {live_med * 1000:.2f} ms per "
+              f"step = {live_med / with_ * 100:.3f} % of the median recorded step of the same run(s)")
 
 
 def main(argv=None) -> int:

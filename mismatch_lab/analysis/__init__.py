@@ -8,6 +8,7 @@
     precision.py      |dp|, |dlogp|, KL k1/k2/k3, chi2 per pair; sequence drift; scorer noise floor
     violations.py     negative-sample tokens outside the trust region; training-run metric series
     steps.py          the precision metrics per training step of the runs whose sequences carry a step
+    staleness.py      the precision metrics per policy lag: numerical mismatch (lag 0) apart from staleness
     approximation.py  binary / top-K TV against exact full-vocabulary TV
     command.py        `mismatch-lab analyze`
 
@@ -26,6 +27,7 @@ from mismatch_lab.analysis import (
     approximation,
     clipping,
     precision,
+    staleness,
     steps,
     violations,
     volatility,
@@ -33,7 +35,7 @@ from mismatch_lab.analysis import (
 from mismatch_lab.analysis.relations import Filters
 from mismatch_lab.analysis.rows import Rows
 
-ANALYSES = ("volatility", "clipping", "precision", "violations", "approximation", "steps")
+ANALYSES = ("volatility", "clipping", "precision", "violations", "approximation", "steps", "staleness")
 
 
 def _stack(parts: list[tuple[str, str, pd.DataFrame]]) -> pd.DataFrame:
@@ -95,6 +97,8 @@ def run_all(
     * violations:    column `source` = 'tokens' (violations_table) | 'train_metrics' (train_series)
     * approximation: approximation_table
     * steps:         step_series, one row per (run_id, rollout, scorer, step) of the runs over steps
+    * staleness:     staleness_table, one row per (run_id, rollout, scorer, policy_lag) of the runs whose
+                     sequences carry a policy lag (empty otherwise)
     The store is joined once (rows.Rows, materialized) and every analysis reads that row set.
     `progress(name, seconds since the start)` is called after the join and after each analysis. A rollout,
     scorer or run id the store does not hold is a UserError listing those it holds (named as the CLI's
@@ -132,6 +136,7 @@ def run_all(
             ),
             "approximation": lambda: approximation.approximation_table(con, **r),
             "steps": lambda: steps.step_series(con, **r),
+            "staleness": lambda: staleness.staleness_table(con, rollout=rollout, scorer=scorer, run_ids=run_ids),
         }
         out = {}
         for name, table in tables.items():

@@ -136,7 +136,7 @@ def analyze_summary(store: str, counts: dict, tables: dict[str, pd.DataFrame], f
     if not steps.empty:
         out += ["", (f"training steps: {steps['run_id'].nunique()} run(s) over {steps['step'].nunique()} step(s), "
                      "the same numbers per step: `--table steps`")]
-    sizes = ", ".join(f"{name} ({len(df):,}{' rows' if i == 0 else ''})" for i, (name, df) in enumerate(tables.items()))
+    sizes = ", ".join(f"{name} ({len(df):,})" for name, df in tables.items())  # row counts; 120 characters
     out += ["", f"verdicts and what to change: {command('doctor', '--db', store)}",
             "print a table in full with --table NAME (repeatable), every table with --all; docs/analysis.md",
             f"tables: {sizes}"]

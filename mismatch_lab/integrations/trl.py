@@ -27,6 +27,13 @@ What is recorded (written for TRL 1.16; `GRPOTrainer._generate_and_score_complet
   train_metrics        every value TRL appended to its train metrics while producing the batch, named
                        'trl/<TRL's name>' (trl/sampling/sampling_logp_difference/mean, trl/reward, ...).
 
+Live metrics: each recorded batch's `Recorder.last_metrics` (record/live.py: mismatch/abs_dp/mean,
+mismatch/k3/mean, ..., the frameworks' names beside them and the doctor's verdicts) are appended to TRL's
+own train metrics, so TRL logs them like its sampling metrics (the mean over logging_steps; with several
+processes, process 0's values: each process appends its own batch share, and only process 0 reports) to
+state.log_history and every `report_to` backend. The first batch that crosses a published band (warn or
+fail) warns once per band, naming the step, the value and the band's source.
+
 Which step: a generated batch is recorded ONCE, as step `state.global_step + 1` read when it is
 generated: the 1-based number of the first optimizer step that trains on it, which is also the `step` of
 TRL's log entry that carries the batch's metrics (`trainer.state.log_history`) when logging_steps=1 (with
@@ -282,6 +289,7 @@ class _Hook:
         self._rewards = None  # [all processes' completions, reward functions] of the batch in flight
         self._batches: dict[int, int] = {}  # step -> batches generated for it by this process
         self._warned_closed = False
+        self._warned_bands: set[str] = set()  # live checks whose band was crossed (warned once each)
 
     def install(self) -> None:
         from transformers import TrainerCallback
@@ -326,6 +334,7 @@ class _Hook:
         """Record the trainer's next train() call into `recorder` (the wrappers stay those installed)."""
         self.recorder, self.every = recorder, every
         self._generated, self._batches, self._warned_closed = 0, {}, False
+        self._warned_bands = set()
 
     def record(self, out: dict, metrics_before: dict) -> None:
         trainer, rec = self.trainer, self.recorder
@@ -357,6 +366,23 @@ class _Hook:
         rec.log_step(step, ids, mask, out["sampling_per_token_logps"], out["old_per_token_logps"],
                      advantages=out.get("advantages"), rewards=self._local_rewards(first, B),
                      group_ids=group_ids, metrics=self._new_metrics(metrics_before))  # fmt: skip
+        self._log_live(step)
+
+    def _log_live(self, step: int) -> None:
+        """The batch's live metrics (`Recorder.last_metrics`, record/live.py) appended to TRL's own train
+        metrics, which GRPOTrainer.log averages over logging_steps and hands to every report_to backend
+        (W&B, TensorBoard, MLflow, ...) and to state.log_history; and a warning the first time each
+        published band is crossed (once per band and attach)."""
+        from mismatch_lab.record.live import crossed, crossing_message
+
+        live = self.recorder.last_metrics
+        logged = self.trainer._metrics["train"]
+        for name, value in live.items():
+            logged[name].append(value)
+        for check, verdict, value in crossed(live):
+            if check.name not in self._warned_bands:
+                self._warned_bands.add(check.name)
+                warnings.warn(crossing_message(step, check, verdict, value), stacklevel=3)
 
     def _drop_later_steps(self, done: int) -> None:
         """Training starts after step `done` (a resume, or 0): the steps recorded after it before are

@@ -127,6 +127,17 @@ def to_numpy(*tensors):
     return out
 
 
+def lag_column(step: int, lag) -> dict | None:
+    """{'policy_lag': [B] ints} of log_step's `policy_lag` (None: not given); UserError unless [B] whole
+    numbers in [0, 2^31)."""
+    if lag is None:
+        return None
+    lag = np.asarray(lag)
+    if lag.ndim != 1:
+        raise UserError(f"log_step({step}): policy_lag must be [B], one value per sequence, got shape {lag.shape}")
+    return {"policy_lag": [whole(v.item(), f"log_step({step}): policy_lag", 0, STEP_END, INT_RANGE) for v in lag]}
+
+
 def check_step_logprobs(step: int, a: StepArrays) -> None:
     """UserError "log_step(S): <argument> has N values above 0 (the largest X; ...): these look like
     probabilities ..." when log mu, log pi or a rollout top-K log-prob at a stored position (mask true;
@@ -176,6 +187,7 @@ class Recorder:
         self._parts: dict[int, int] = defaultdict(int)  # step -> calls written by this process
         self._next_index: dict[int, int] = defaultdict(int)  # step -> next sequence index of this rank
         self.tokens_written = 0
+        self._live = None  # the last call's stored log mu, log pi, sequence of each, sequence count (last_metrics)
         self._row = {
             "run_id": self.run_id, "study": self.root.name, "kind": kind, "created_at": shards.now_utc(),
             "status": "running", "model": None if model is None else str(model), "weights_sha256": None, "engine": rollout_engine,
@@ -234,19 +246,23 @@ class Recorder:
 
     def log_step(self, step: int, token_ids, mask, logp_rollout, logp_trainer, advantages=None, rewards=None,
                  rollout_topk_ids=None, rollout_topk_logps=None, *, entropy=None, group_ids=None,
-                 metrics: dict[str, float] | None = None) -> int:
+                 metrics: dict[str, float] | None = None, policy_lag=None) -> int:
         """Record one call's sequences of training step `step`; returns the number of tokens written (0 for
         a step `every` skips). `[B, T]` tensors; advantages [B] or [B, T]; rewards [B]; top-K [B, T, K].
-        `metrics` (name -> value, slash paths) go to train_metrics for this step."""
+        `metrics` (name -> value, slash paths) go to train_metrics for this step. `policy_lag` [B]: per
+        sequence, the optimizer updates between the weights that sampled it and those of `logp_trainer`
+        (0: the same weights), stored as `sequences.policy_lag`. `last_metrics` then holds the live
+        metrics of the tokens stored (`record.live`)."""
         if self.closed:
             raise UserError("this Recorder is closed; make a new one to record more")
         step = whole(step, "step", 0, STEP_END, INT_RANGE)
+        self._live = None
         if not self.wants(step):
             return 0
         values = None if metrics is None else metric_values(metrics)
         arrays = to_numpy(token_ids, mask, logp_rollout, logp_trainer, advantages, rewards, rollout_topk_ids,
-                          rollout_topk_logps, entropy, group_ids)
-        a = StepArrays(*arrays)
+                          rollout_topk_logps, entropy, group_ids, policy_lag)
+        a = StepArrays(*arrays[:-1], sequence_columns=lag_column(step, arrays[-1]))
         try:
             a.check()
         except ValueError as exc:
@@ -257,6 +273,8 @@ class Recorder:
             if a.mask.shape[0] == 0 and not values:  # past the cap: nothing to store
                 return 0
         B = a.mask.shape[0]
+        stored = np.asarray(a.mask, dtype=bool)
+        live = (np.asarray(a.logp_rollout)[stored], np.asarray(a.logp_trainer)[stored], np.nonzero(stored)[0], B)
         ids = seq_ids(step, self.rank, self._next_index[step], B)
         tables = step_tables(self.run_id, step, ids, a, self.scorer, texts=self._texts)
         part = self._parts[step]
@@ -273,7 +291,20 @@ class Recorder:
         self._next_index[step] += B
         n = tables["tokens"].num_rows
         self.tokens_written += n
+        self._live = live
         return n
+
+    @property
+    def last_metrics(self) -> dict[str, float]:
+        """The live mismatch metrics (`record.live.step_metrics`: ours, the frameworks' names, the doctor's
+        verdicts) of the tokens the last `log_step` call stored; {} when it stored none (a step `every`
+        skips, a call past the cap) or before the first call. Computed when read, from copies of the
+        stored values taken in the call (a loop reusing its buffers changes nothing)."""
+        if self._live is None:
+            return {}
+        from mismatch_lab.record.live import flat_metrics
+
+        return flat_metrics(*self._live)
 
     def drop_steps_after(self, step: int, world_size: int | None = None) -> list[int]:
         """A job resumed from a checkpoint at training step `step` (0: started afresh): remove the steps
