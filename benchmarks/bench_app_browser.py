@@ -65,9 +65,9 @@ def serve(store: Path, log: Path) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "streamlit", "run", str(APP), "--server.headless", "true", "--server.port",
            str(port), "--server.address", "127.0.0.1", "--browser.gatherUsageStats", "false",
            "--server.fileWatcherType", "none", "--", "--study", str(store)]
-    out = open(log, "ab")
-    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
-                            env=dict(os.environ, MISMATCH_LAB_APP_WARMUP="1"))
+    with open(log, "ab") as out:  # the child keeps its own descriptor
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
+                                env=dict(os.environ, MISMATCH_LAB_APP_WARMUP="1"))
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and proc.poll() is None:

@@ -1,8 +1,9 @@
 """Corrections: what every objective and rollout correction of the registry does to the same tokens.
 
 Methods × shares (tokens masked, sequences dropped whole, weights changed, ESS) for one (rollout, scorer)
-pair, from `mismatch_lab.corrections.compare.compare` (cached per store and overrides through
-`lab_ui.query`); filters by token category, μ bucket or advantage sign from its split tables; each
+pair, from `mismatch_lab.corrections.compare.compare` (cached per store and overrides; a store over
+`lab_ui.CORRECTIONS_SAMPLE_TOKENS` tokens first on a stated sample of its prompt groups, one pair at a time,
+until the comparison of every token is cached: `lab_ui.corrections_pairs`); filters by token category, μ bucket or advantage sign from its split tables; each
 method's framework option and parameters; optional threshold overrides; the sequences a method drops,
 each one click away from the token inspector.
 """

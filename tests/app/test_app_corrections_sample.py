@@ -18,7 +18,7 @@ from mismatch_lab.store.synthetic import SyntheticSpec, synthetic_store, write_s
 
 if str(APP.parent) not in sys.path:
     sys.path.insert(0, str(APP.parent))
-import lab_ui  # noqa: E402  (the module the app script imports: one object, so the monkeypatch reaches it)
+import lab_ui  # (the module the app script imports: one object, so the monkeypatch reaches it)
 
 EVERY = 3
 
