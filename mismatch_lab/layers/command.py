@@ -17,7 +17,6 @@ from mismatch_lab.cli import json_output
 from mismatch_lab.errors import UserError
 
 
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from mismatch_lab.layers.measure import DEFAULT_CONTINUATION, DTYPES
 
@@ -80,9 +79,13 @@ def table(doc: dict) -> str:
     """One screen: embed, one line per block (attn and MLP rel_err), norm, logits; then TV, KL, fastest growth."""
     by = {r["layer"]: r for r in doc["rows"]}
     fast = (doc["fastest_growth"] or {}).get("layer")
-    mark = lambda name: " <" if name == fast else "  "  # noqa: E731
-    lines = [f"{doc['engine']}:{doc['dtype']} vs {doc['reference']}  {doc['model']}  "
-             f"({doc['sequences']} sequences, {doc['tokens']} tokens)", f"{'layer':<8}{'attn':>12}  {'mlp':>12}"]
+
+    def mark(name: str) -> str:
+        return " <" if name == fast else "  "
+
+    head = (f"{doc['engine']}:{doc['dtype']} vs {doc['reference']}  {doc['model']}  "
+            f"({doc['sequences']} sequences, {doc['tokens']} tokens)")
+    lines = [head, f"{'layer':<8}{'attn':>12}  {'mlp':>12}"]
     lines.append(f"{'embed':<8}{_fmt(by['embed']['rel_err']):>12}{mark('embed')}")
     blocks = sorted({r["index"] for r in doc["rows"] if r["index"] is not None})
     for i in blocks:

@@ -12,6 +12,7 @@ same layout under `model.model` (`find_vllm_layers`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Self
 
 from mismatch_lab.errors import UserError
 
@@ -115,7 +116,7 @@ class Capture:
 
         return {name: torch.cat(parts) for name, parts in self._parts.items()}
 
-    def __enter__(self) -> Capture:
+    def __enter__(self) -> Self:
         self._handles = [la.module.register_forward_hook(self._hook(la.name)) for la in self.layers
                          if la.module is not None]
         return self

@@ -8,6 +8,7 @@ Notation: T tokens, D the width of a layer's output (hidden size, or the vocabul
 from __future__ import annotations
 
 import math
+from itertools import pairwise
 
 import numpy as np
 
@@ -55,7 +56,7 @@ def growth_ratios(errors: list[float]) -> list[float | None]:
     """errors[i] / errors[i−1] for each layer in input-to-output order ([L] in, [L] out): None for the first
     layer and where the previous error is 0 or not finite (no ratio to take)."""
     out: list[float | None] = [None]
-    for prev, cur in zip(errors, errors[1:]):
+    for prev, cur in pairwise(errors):
         ok = prev is not None and math.isfinite(prev) and prev > 0.0 and cur is not None and math.isfinite(cur)
         out.append(cur / prev if ok else None)
     return out
