@@ -127,3 +127,11 @@ def test_a_command_needing_more_than_the_light_install_names_what_to_install_in_
     assert done.returncode == 2
     assert done.stdout == "" and done.stderr.count("\n") == 1
     assert done.stderr.startswith(f"mismatch-lab {command}: error: needs ") and names in done.stderr
+
+
+def test_doctors_probe_in_the_light_install_names_the_collect_extra_in_one_line(light_python, tmp_path):
+    done = _run(light_python.parent / "mismatch-lab", "doctor", "--model", "default", "--db", str(tmp_path / "p.duckdb"),
+                cwd=tmp_path)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1
+    assert done.stderr.startswith("mismatch-lab doctor: error: the probe (--model, or no --db) needs torch")
+    assert "mismatch-lab[collect]" in done.stderr and not (tmp_path / "p.duckdb").exists()

@@ -48,6 +48,10 @@ def _probe_store(args) -> str:
         if probe_flags:
             raise UserError(f"{', '.join(probe_flags)} configure the probe: add --model M (or drop them to judge --db)")
         return args.db
+    from mismatch_lab.extras import missing_line
+
+    if line := missing_line("collect"):  # the probe collects: a light install judges stores only
+        raise UserError(f"the probe (--model, or no --db) {line}")
     from mismatch_lab.doctor import probe
 
     opt = {k: getattr(args, k, None) or v for k, v in PROBE_DEFAULTS.items()}
