@@ -68,3 +68,10 @@ def compare(ref: Routing, other: Routing, edges=MARGIN_EDGES) -> dict:
         "flips_by_margin": by_margin,
         "max_margin_of_a_flip": float(ref.margin[flip].max()) if flip.any() else None,
     }
+
+
+def concat(routings: list[Routing]) -> Routing:
+    """The routings of several sequences as one, tokens after tokens."""
+    return Routing(ids=np.concatenate([r.ids for r in routings]),
+                   weights=np.concatenate([r.weights for r in routings]),
+                   margin=np.concatenate([r.margin for r in routings]))
