@@ -72,6 +72,11 @@ SKIPPED = Band("above", "= 0 ok, > 0 warn", OURS + ": prompts longer than the co
 GROWTH = Band("above", "95 % CI above 0 warn, else ok",
               "prime-rl: sustained growth is the early warning of collapse", warn=0.0)
 """Judged on the lower end of the slope's 95 % t-interval: warn when even that is above 0 (growth is significant)."""
+SUPPORT_BIAS = Band("above", "<= 0.5 ok, > 0.5 warn", OURS + ": above half, the sampling support's one-signed bias is "
+                    "the largest part of log r, larger than every other source together", warn=0.5)
+"""|mean log S| / mean |log r| of a rollout whose μ is processed (after temperature / top-k / top-p) against a raw π:
+log S <= 0 on every token, so it biases log r one way; above 0.5 the pair's mismatch is mostly the sampling rule,
+not the numerics (our level: it only warns)."""
 BATCH_VARIANCE = Band("above", "= 0 ok, > 0 fail", BITWISE + "; needs batch-invariant kernels", fail=0.0)
 
 SEQ_K3_REJECT = D.K3_THRESHOLD

@@ -41,6 +41,8 @@ STEP_NEEDS = ("a run over at least 3 training steps with finite scored tokens (`
 BATCH_NEEDS = ("collect runs of one rollout at two generation batch sizes, otherwise alike (same config and "
                "model): `mismatch-lab collect --study S --gen-batch 1` and `--gen-batch 8` into the same store "
                "(studies/batch-invariance/study.toml)")
+SUPPORT_NEEDS = ("a rollout whose μ is processed by a sampling rule, scored with log S stored (`mismatch-lab collect "
+                 "--top-p 0.9 --logprobs-mode processed`: scores.log_support)")
 SKIPPED_NEEDS = ("a `collect` run (only collect skips prompts longer than the context and lists them in "
                  "skipped_prompts; train, recorded and imported runs skip none)")
 
@@ -61,6 +63,8 @@ CHECKS: tuple[Check, ...] = (
     Check("seq_product_out", "share of sequences with exp(Σ log r) outside [0.5, 2]", B.SEQ_PRODUCT_SHARE, "pairs",
           "seq_product_out", needs=PAIR_NEEDS),
     Check("nonfinite", "non-finite (token, scorer) rows", B.NONFINITE, "pairs", "n_nonfinite", needs=PAIR_NEEDS),
+    Check("support_bias", "|mean log S| / mean |log π − log μ| (processed μ, raw π)", B.SUPPORT_BIAS, "support",
+          "support_ratio", needs=SUPPORT_NEEDS),
     Check("skipped_prompts", "prompts skipped (longer than the context)", B.SKIPPED, "skipped", "n_skipped",
           needs=SKIPPED_NEEDS),
     Check("growth", "OLS slope of the per-step mean |π − μ| (per step)", B.GROWTH, "steps", "slope",
@@ -87,6 +91,8 @@ def _detail(check: Check, row) -> str:
 DETAILS = {
     "pairs": lambda r: f"n = {int(r['n_finite']):,} finite rows, {int(r['seq_n']):,} sequences",
     "skipped": lambda r: "",
+    "support": lambda r: (f"mean log S {r['mean_log_s']:.3g}, mean |Δlogp| {r['abs_dlogp_mean']:.3g} over "
+                          f"{int(r['n_support']):,} rows with log S"),
     "steps": lambda r: (f"95 % CI [{r['ci_low']:.3g}, {r['ci_high']:.3g}] over {int(r['n_steps'])} steps; "
                         f"first {quarter(r['n_steps'])} steps {r['first_mean']:.3g} → last {quarter(r['n_steps'])} {r['last_mean']:.3g}"),
     "batch": lambda r: (f"batch {int(r['b0'])} vs {int(r['batch'])}: {int(r['n_seq'])} sequences, "

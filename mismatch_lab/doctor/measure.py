@@ -25,6 +25,8 @@ one shared `rows.Rows` row set); the per-sequence numbers are one GROUP BY over 
              as mask rules against the exact TV at δ_TV = 0.15: binary_tv_miss, topk_tv_miss, ...)
     corrections  one row per (method, rollout, scorer) for the methods recommend.py may advise:
              `mismatch-lab corrections`' own rows (corrections.compare; frac_seqs_masked, ...)
+    scored   one row per (token, scorer): the log-probs attribution.py splits the mismatch with
+    support  one row per pair of a processed-μ rollout with log S stored: |mean log S| / mean |Δlogp|
 """
 
 from __future__ import annotations
@@ -156,7 +158,29 @@ def corrections(m: Measurements) -> pd.DataFrame:
     return compare(m.con, methods=ADVISABLE)["corrections"]
 
 
+def scored(m: Measurements) -> pd.DataFrame:
+    """One row per (token, scorer) for attribution.py: rollout, run_id, seq_id, pos, scorer, lmu, lpi, finite
+    (definitions.finite_sql), log_s / lp_s (scores.log_support / logp_support) and lag
+    (sequences.policy_lag), NULL where the store lacks the column."""
+    scols, qcols = table_columns(m.con, "scores"), table_columns(m.con, "sequences")
+    opt = lambda col, have, alias: f"{alias}.{col}" if col in have else "NULL::DOUBLE"
+    return query(m.con, f"""
+        SELECT {d.ROLLOUT_LABEL_SQL} AS rollout, t.run_id, t.seq_id, t.pos, s.scorer, t.logp_rollout AS lmu,
+               s.logp AS lpi, {d.finite_sql('t.logp_rollout', 's.logp', 's.nonfinite')} AS finite,
+               {opt('log_support', scols, 's')} AS log_s, {opt('logp_support', scols, 's')} AS lp_s,
+               {opt('policy_lag', qcols, 'q')} AS lag
+        FROM tokens t JOIN scores s USING (run_id, seq_id, pos) JOIN runs USING (run_id)
+             LEFT JOIN sequences q USING (run_id, seq_id)""")
+
+
+def support(m: Measurements) -> pd.DataFrame:
+    """One row per pair whose μ is processed and whose log S is stored (attribution.support_table)."""
+    from mismatch_lab.doctor.attribution import support_table
+
+    return support_table(m.get("scored"))
+
+
 MEASUREMENTS = {"pairs": pairs, "steps": steps, "batch": batch, "skipped": skipped, "approximation": approximation,
-                "corrections": corrections}
+                "corrections": corrections, "scored": scored, "support": support}
 
 __all__ = ["MEASUREMENTS", "Measurements"]

@@ -20,6 +20,7 @@ import duckdb
 import pandas as pd
 
 from mismatch_lab.analysis.summary import WIDTH
+from mismatch_lab.doctor import attribution as A
 from mismatch_lab.doctor.checks import BY_NAME, GATES, run_checks
 from mismatch_lab.doctor.measure import Measurements
 from mismatch_lab.doctor.recommend import recommendations
@@ -51,15 +52,17 @@ class Diagnosis:
     gate: str | None = None
     failed: list[dict] = field(default_factory=list)
     exit_code: int = 0
+    attribution: list[dict] = field(default_factory=list)
 
 
 def diagnose(con: duckdb.DuckDBPyConnection, store: str = "", gate: str | None = None) -> Diagnosis:
     """Every check, the not-measured list and the recommendations of the store on `con`, judged for `gate`."""
     with Measurements(con) as m:
         rows, missing = run_checks(m)
-        advice = recommendations(m)
+        advice = [a | {"source": A.RULE_SOURCE.get(a["rule"])} for a in recommendations(m)]
+        where = A.attribute(m.get("scored"), m.get("batch")) if m.rows.ok else []
     code, failed = gate_status(rows, gate, missing)
-    return Diagnosis(store, rows, missing, advice, gate, failed, code)
+    return Diagnosis(store, rows, missing, advice, gate, failed, code, where)
 
 
 def doctor_table(con: duckdb.DuckDBPyConnection) -> pd.DataFrame:
@@ -83,7 +86,8 @@ def _finite(x):
 
 def json_doc(dx: Diagnosis) -> dict:
     return _finite({"store": dx.store, "gate": dx.gate, "gate_exit": dx.exit_code, "gates": list(GATES),
-                    "checks": dx.checks, "recommendations": dx.recommendations, "not_measured": dx.not_measured})
+                    "checks": dx.checks, "recommendations": dx.recommendations, "not_measured": dx.not_measured,
+                    "attribution": dx.attribution})
 
 
 def write_json(dx: Diagnosis, path) -> None:
@@ -189,6 +193,7 @@ def text_report(dx: Diagnosis) -> str:
     lines += ["  health: the worst of the weight-health and non-finite checks (verl's illustrative levels)",
               f"  {VERDICT_KEY} (bitwise apart: only bitwise on-policy training needs it)", ""]
     lines += _pair_matrix(dx) or ["no (rollout, scorer) pair with scored tokens in this store"]
+    lines += attribution_lines(dx)
     notes = _notes(dx)
     if notes:
         lines += ["", "findings:", *notes]
@@ -202,6 +207,43 @@ def text_report(dx: Diagnosis) -> str:
     lines.append("")
     lines.append(_gate_line(dx))
     return "\n".join(wrapped for line in lines for wrapped in _wrap(line))
+
+
+def _pct(share: float) -> str:
+    return f"{100 * share:.3g} %"
+
+
+def attribution_lines(dx: Diagnosis) -> list[str]:
+    """'where it comes from': per pair, each measured source's share of its mismatch (attribution.py), the
+    sources not measured (grouped by reason), and the fix of each source measured above 0."""
+    by: dict[str, list[dict]] = {}
+    for r in dx.attribution:
+        by.setdefault(f"{r['rollout']}/{r['scorer']}", []).append(r)
+    if not by:
+        return []
+    head = "where it comes from (share of the pair's mean |log π − log μ| each source's fix removes; docs/doctor.md):"
+    lines = ["", head]
+    missing: dict[tuple[str, str], int] = {}
+    fixed = []
+    for pair, rows in by.items():
+        m = next(r["mismatch"] for r in rows if r["source"] == A.UNEXPLAINED)
+        parts = [f"{A.SOURCES[r['source']].title if r['source'] in A.SOURCES else r['source']} "
+                 f"{'≤ ' if r['bound'] == 'upper' else ''}{_pct(r['share'])}"
+                 for r in rows if not math.isnan(r["share"])]
+        lines.append(f"  {pair} ({m:.3g}): {', '.join(parts) or 'nothing measured'}")
+        for r in rows:
+            if math.isnan(r["share"]) and r["reason"]:
+                missing[(r["source"], r["reason"])] = missing.get((r["source"], r["reason"]), 0) + 1
+            elif r["source"] in A.SOURCES and r["share"] > 0 and r["source"] not in fixed:
+                fixed.append(r["source"])
+    if any(r["bound"] == "upper" for r in dx.attribution):
+        lines.append("  ≤: an upper bound: the rollout engine's difference from the trainer's at fp32 is not "
+                     "measured here (no fp32 rollout of that engine) and counts as precision")
+    lines += [f"  {A.SOURCES[s].title}: {why} ({n} of {len(by)} pairs)" for (s, why), n in missing.items()]
+    advised = {a["source"] for a in dx.recommendations}
+    lines += [f"  fix {A.SOURCES[s].title}: {A.SOURCES[s].fix}" + (" (advice below)" if s in advised else "")
+              for s in fixed]
+    return lines
 
 
 def _wrap(line: str) -> list[str]:
