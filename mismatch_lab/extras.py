@@ -26,14 +26,25 @@ NEEDS: dict[str, tuple[str, tuple[str, ...]]] = {
 """command -> (the extra that installs its packages, '' for torch alone; the modules it imports)."""
 
 
+IMPORT_NEEDS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "slime": ("", ("torch",)),  # torch.load of the dumps
+    "miles": ("", ("torch",)),
+    "skyrl": ("", ("torch",)),  # its pickles hold torch tensors
+    "--tokenizer": ("collect", ("transformers",)),
+}
+"""`import` format (or option) -> (extra, modules): the formats read with torch; --tokenizer loads a transformers
+tokenizer. jsonl, prime-rl and nemo-rl need nothing beyond the light install."""
+
+
 def missing(modules: tuple[str, ...]) -> list[str]:
     """The modules of `modules` this environment cannot import (looked up, not imported)."""
     return [m for m in modules if importlib.util.find_spec(m) is None]
 
 
-def missing_line(command: str) -> str | None:
-    """None when `command` has what it needs; else one line naming what is missing and what to install."""
-    extra, modules = NEEDS.get(command, ("", ()))
+def missing_line(command: str, needs: dict[str, tuple[str, tuple[str, ...]]] = NEEDS) -> str | None:
+    """None when `command` (a key of `needs`) has what it needs; else one line naming what is missing and what
+    to install."""
+    extra, modules = needs.get(command, ("", ()))
     absent = missing(modules)
     if not absent:
         return None

@@ -135,3 +135,14 @@ def test_doctors_probe_in_the_light_install_names_the_collect_extra_in_one_line(
     assert done.returncode == 2 and done.stderr.count("\n") == 1
     assert done.stderr.startswith("mismatch-lab doctor: error: the probe (--model, or no --db) needs torch")
     assert "mismatch-lab[collect]" in done.stderr and not (tmp_path / "p.duckdb").exists()
+
+
+@pytest.mark.parametrize("fmt, option, names", [("slime", "--trust-pickle", "import slime needs torch"),
+                                                 ("skyrl", "--trust-pickle", "import skyrl needs torch"),
+                                                 ("jsonl", "--tokenizer=.", "--tokenizer needs transformers")])
+def test_an_import_needing_torch_or_a_tokenizer_names_what_to_install_in_one_line(light_python, fmt, option, names,
+                                                                                   tmp_path):
+    done = _run(light_python.parent / "mismatch-lab", "import", fmt, str(tmp_path), "--out", str(tmp_path / "s"),
+                option, cwd=tmp_path)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1
+    assert done.stderr.startswith(f"mismatch-lab import: error: {names}") and not (tmp_path / "s").exists()

@@ -33,5 +33,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
+    from mismatch_lab.errors import UserError
+    from mismatch_lab.extras import IMPORT_NEEDS, missing_line
+
+    for what in (args.format, "--tokenizer" if args.tokenizer else ""):
+        if line := missing_line(what, IMPORT_NEEDS):  # a light install: say which package, before reading
+            raise UserError(f"{what} {line}" if what.startswith("--") else f"import {what} {line}")
     run_import(args.format, importer(args.format), args)
     return 0
