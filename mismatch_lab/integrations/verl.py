@@ -4,7 +4,8 @@
     from mismatch_lab.record import Recorder
 
     name = mverl.register(lambda: Recorder("/shared/runs/verl", "exp-7", framework="verl", rollout_engine="vllm",
-                                           rollout_dtype="bf16", trainer_dtype="bf16"), base="bypass_mode")
+                                           rollout_dtype="bf16", trainer_dtype="bf16"),
+                          base=mverl.BYPASS, name=mverl.BYPASS)  # with algorithm.rollout_correction.bypass_mode=True
 
 `register` wraps the policy loss verl registered under `base` (verl.trainer.ppo.core_algos.POLICY_LOSS_REGISTRY)
 in one that records, then calls it with the same arguments and returns its (loss, metrics) unchanged, and registers
@@ -18,6 +19,9 @@ with old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, r
                         (handed on to the wrapped loss only if it takes that keyword)
     bypass mode (base "bypass_mode": verl set old_log_probs := rollout_log_probs)  μ = old_log_prob, π = log_prob
     otherwise (0.9.1's decoupled mode: only rollout_is_weights, truncated)  nothing; a warning, once
+
+(In bypass mode log_prob is the trainer before any update only in a step's first mini-batch; later mini-batches and
+epochs see the weights move.)
 
 π goes to the Recorder's scorer `<framework>:<trainer_dtype>`; with `current=` a second Recorder (another run name)
 gets μ against the current log_prob where π is old_log_prob. Stored per call: the response mask (bool), the
