@@ -13,7 +13,8 @@ wherever the store holds the counterfactual on the rollout's own tokens (another
                      of its tokens at fp32 on its weights (its engine first, e.g. vllm:fp32, else the trainer's
                      engine, hf:fp32[-w<format>]), the scorer side by its fp32 twin; M_without = mean |log π_twin(S)
                      − log π_twin(R)|, plus, where the rollout's twin is another engine's, that engine difference at
-                     fp32 as the store measured it (the <engine>:fp32 rollout scored by the twin, on its own tokens)
+                     fp32 as the store measured it (the <engine>:fp32 rollout scored by the twin, on its own tokens);
+                     a processed μ's twin is the twin scorer's log π on the sampling support (logp_support)
     weight_rounding  the two sides on differently rounded weights ('-w<format>' in a label, e.g. an fp8-weights
                      rollout): the scorer replaced by the same scorer on the rollout's weights (hf:fp32 →
                      hf:fp32-wfp8); 0 where both labels name the same weights (a dtype's own rounding of the
@@ -84,7 +85,8 @@ def wide(scored: pd.DataFrame, rollout: str) -> pd.DataFrame:
     g = scored[scored["rollout"] == rollout]
     keys = ["run_id", "seq_id", "pos"]
     base = g.drop_duplicates(keys).set_index(keys)[["lmu", "lag"]]
-    per = g.set_index([*keys, "scorer"])[["lpi", "finite", "log_s", "lp_s"]].unstack("scorer")
+    per = g.drop_duplicates([*keys, "scorer"]).set_index([*keys, "scorer"])[["lpi", "finite", "log_s", "lp_s"]]
+    per = per.unstack("scorer")
     per.columns = [f"{c}|{s}" for c, s in per.columns]
     return base.join(per)
 
@@ -156,6 +158,11 @@ def precision(w, rollout, scorer, scorers, pair_means: dict) -> dict:
                 f"rollout scored by {cr}) and counts as precision")
         upper, extra = math.isnan(extra), 0.0 if math.isnan(extra) else extra
     sides = "both sides already fp32" if (cr == MU and cs == scorer) else f"{cr} for {rollout}, {cs} for {scorer}"
+    if cr != MU and rollout.endswith(PROCESSED):  # a processed μ's twin is processed too: π on its support
+        if f"lp_s|{cr}" not in w or not w[f"lp_s|{cr}"].notna().any():
+            return _row(rollout, scorer, "precision", reason=f"not measured: {rollout}'s μ is processed and its "
+                        f"fp32 twin {cr} has no log π on the sampling support (scores.logp_support)")
+        w, cr, sides = _on_support(w, cr), f"{cr}{PROCESSED}", sides + " (on the rollout's sampling support)"
     out = _removal(w, rollout, scorer, "precision", cs, cr, f"fp32 twins on {rollout}'s tokens: {sides}{note}", extra)
     return out | {"bound": "upper" if note and upper else None}
 
@@ -174,16 +181,23 @@ def weight_rounding(w, rollout, scorer, scorers) -> dict:
                     f"vs {rollout}")
 
 
+def _on_support(w: pd.DataFrame, scorer: str) -> pd.DataFrame:
+    """`w` with the side '<scorer>-processed': the scorer's log π on the rollout's sampling support."""
+    lp = w[f"lp_s|{scorer}"].to_numpy(dtype=float, na_value=np.nan)
+    ok = np.isfinite(lp) & w[f"finite|{scorer}"].fillna(False).astype(bool).to_numpy()
+    return w.assign(**{f"lpi|{scorer}{PROCESSED}": lp, f"finite|{scorer}{PROCESSED}": ok})
+
+
 def support(w, rollout, scorer) -> dict:
     col = f"log_s|{scorer}"
     if col not in w or not w[col].notna().any():
         return _row(rollout, scorer, "support", reason="not measured: no log S stored for this pair "
                     "(scores.log_support: a rollout with a sampling rule, "
                     "`collect --top-p/--sample-top-k/--temperature`)")
-    rows = pd.Series(np.isfinite(w[f"lp_s|{scorer}"].to_numpy(dtype=float, na_value=np.nan)), index=w.index)
-    sub = w.assign(**{"lpi|_support": w[f"lp_s|{scorer}"], "finite|_support": rows})
-    out = _removal(sub, rollout, scorer, "support", "_support", MU, f"{scorer}'s log π on {rollout}'s sampling "
-                   f"support (scores.logp_support) vs {rollout}", rows=rows)
+    sub = _on_support(w, scorer)
+    rows = sub[f"finite|{scorer}{PROCESSED}"]
+    out = _removal(sub, rollout, scorer, "support", f"{scorer}{PROCESSED}", MU, f"{scorer}'s log π on {rollout}'s "
+                   f"sampling support (scores.logp_support) vs {rollout}", rows=rows)
     return out | {"evidence": out["evidence"] + f"; mean log S {float(w.loc[rows, col].mean()):.3g}"}
 
 

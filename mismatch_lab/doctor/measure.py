@@ -146,16 +146,23 @@ def approximation(m: Measurements) -> pd.DataFrame:
 
 def corrections(m: Measurements) -> pd.DataFrame:
     """`mismatch-lab corrections`' main table of the same store (corrections.compare at the published
-    defaults: frac_seqs_masked per method and pair), for the methods recommend.py may advise. Empty without
+    defaults: frac_seqs_masked per method and pair), for the methods recommend.py may advise; on a store of
+    more than analysis.sample.SAMPLE_TOKENS tokens, of a sample of its prompt groups (column sample_every). Empty without
     torch (the light install): the advice then says each share is not measured."""
     from mismatch_lab.extras import missing
 
     if missing(("torch",)):
         return pd.DataFrame()
+    from mismatch_lab.analysis.sample import sample_size, sampled, stride
     from mismatch_lab.corrections.compare import compare
     from mismatch_lab.doctor.recommend import ADVISABLE
 
-    return compare(m.con, methods=ADVISABLE)["corrections"]
+    # a store above SAMPLE_TOKENS is compared on a sample of whole prompt groups (1 in `every`), as the app's
+    # Corrections page opens: a sequence rule decides each kept sequence exactly as on the whole store
+    every = stride(sample_size(m.con)["tokens"])
+    con = m.con if every == 1 else sampled(m.con.cursor(), every)
+    table = compare(con, methods=ADVISABLE)["corrections"]
+    return table.assign(sample_every=every)
 
 
 def scored(m: Measurements) -> pd.DataFrame:
@@ -174,9 +181,12 @@ def scored(m: Measurements) -> pd.DataFrame:
 
 
 def support(m: Measurements) -> pd.DataFrame:
-    """One row per pair whose μ is processed and whose log S is stored (attribution.support_table)."""
+    """One row per pair whose μ is processed and whose log S is stored (attribution.support_table); empty
+    without reading the tokens where the store has no log_support column."""
     from mismatch_lab.doctor.attribution import support_table
 
+    if "log_support" not in table_columns(m.con, "scores"):
+        return support_table(pd.DataFrame(columns=["rollout", "scorer", "lmu", "lpi", "finite", "log_s"]))
     return support_table(m.get("scored"))
 
 

@@ -55,19 +55,22 @@ class Diagnosis:
     attribution: list[dict] = field(default_factory=list)
 
 
-def diagnose(con: duckdb.DuckDBPyConnection, store: str = "", gate: str | None = None) -> Diagnosis:
-    """Every check, the not-measured list and the recommendations of the store on `con`, judged for `gate`."""
+def diagnose(con: duckdb.DuckDBPyConnection, store: str = "", gate: str | None = None, *,
+             attribution: bool = True) -> Diagnosis:
+    """Every check, the not-measured list and the recommendations of the store on `con`, judged for `gate`;
+    with `attribution` the shares of each pair's mismatch by source (attribution.py; the app's views, which
+    do not show them, skip their cost)."""
     with Measurements(con) as m:
         rows, missing = run_checks(m)
         advice = [a | {"source": A.RULE_SOURCE.get(a["rule"])} for a in recommendations(m)]
-        where = A.attribute(m.get("scored"), m.get("batch")) if m.rows.ok else []
+        where = A.attribute(m.get("scored"), m.get("batch")) if attribution and m.rows.ok else []
     code, failed = gate_status(rows, gate, missing)
     return Diagnosis(store, rows, missing, advice, gate, failed, code, where)
 
 
 def doctor_table(con: duckdb.DuckDBPyConnection) -> pd.DataFrame:
     """One row per (check, pair): TABLE_COLUMNS, the verdict next to the pair and check."""
-    return _checks_frame(diagnose(con))
+    return _checks_frame(diagnose(con, attribution=False))
 
 
 def _checks_frame(dx: Diagnosis) -> pd.DataFrame:
@@ -159,7 +162,7 @@ class DoctorView:
 
 
 def doctor_view(con: duckdb.DuckDBPyConnection) -> DoctorView:
-    dx = diagnose(con)
+    dx = diagnose(con, attribution=False)
     return DoctorView(pair_verdicts(dx), dx.recommendations, _checks_frame(dx))
 
 

@@ -128,14 +128,14 @@ def test_support_bias_is_not_measured_without_log_s(synthetic):
     assert [n for n in dx.not_measured if n["check"] == "support_bias" and n["pair"] is None]
 
 
-def _support_store(path: Path) -> tuple[Path, pd.DataFrame]:
+def _support_store(path: Path, low: float = 0.3) -> tuple[Path, pd.DataFrame]:
     """A processed-μ rollout: log μ = log μ_raw − log S; the scorer 'vllm:bf16' returns log μ_raw exactly (so its
-    whole mismatch is log S), hf:fp32 its own noisy log π. log S = log(μ_raw + (1 − μ_raw) u), u in [0.3, 1)."""
+    whole mismatch is log S), hf:fp32 its own noisy log π. log S = log(μ_raw + (1 − μ_raw) u), u in [low, 1)."""
     spec = SyntheticSpec(rollouts=("vllm:bf16",), scorers=("hf:fp32", "vllm:bf16"), n_sequences=20, seed=3)
     frames = synthetic_store(path.with_suffix(".raw.duckdb"), spec).frames
     tok, sc = frames["tokens"].copy(), frames["scores"].copy()
     raw = tok["logp_rollout"].astype(float).to_numpy()
-    u = np.random.default_rng(5).uniform(0.3, 1.0, size=len(raw))
+    u = np.random.default_rng(5).uniform(low, 1.0, size=len(raw))
     log_s = np.log(np.exp(raw) + (1 - np.exp(raw)) * u)
     tok["logp_rollout"] = raw - log_s
     key = tok[["run_id", "seq_id", "pos"]].assign(raw=raw, log_s=log_s)
@@ -157,6 +157,8 @@ def test_the_support_share_and_check_are_known_by_construction(tmp_path):
     rollout = "vllm:bf16-p0.9-processed"
     exact = rows[(rollout, "vllm:bf16", "support")]
     assert exact["share"] == 1.0 and exact["without"] == 0.0  # π raw = μ raw: log r is log S, all of it
+    # the processed μ's fp32 twin is processed too: precision does not take the support's share
+    assert rows[(rollout, "vllm:bf16", "precision")]["share"] < 0.05
     noisy = sc[sc["scorer"] == "hf:fp32"]
     lmu = noisy["raw"] - noisy["log_s"]
     m = np.mean(np.abs(noisy["logp"].astype(float) - lmu))
@@ -168,6 +170,15 @@ def test_the_support_share_and_check_are_known_by_construction(tmp_path):
     ratio = abs(noisy["log_s"].mean()) / m
     assert check[f"{rollout}/hf:fp32"]["value"] == pytest.approx(ratio, rel=RTOL)
     assert "sampling support 100 %" in text_report(dx)
+
+
+def test_support_bias_is_ok_where_log_s_is_small_against_the_numerics(tmp_path):
+    path, sc = _support_store(tmp_path / "small.duckdb", low=1 - 1e-4)  # S within 1e-4 of 1: log S ~ −1e-4 or less
+    check = {c["pair"]: c for c in _diagnose(path).checks if c["check"] == "support_bias"}
+    noisy = sc[sc["scorer"] == "hf:fp32"]
+    ratio = abs(noisy["log_s"].mean()) / np.mean(np.abs(noisy["logp"].astype(float) - (noisy["raw"] - noisy["log_s"])))
+    row = check["vllm:bf16-p0.9-processed/hf:fp32"]
+    assert row["value"] == pytest.approx(ratio, rel=RTOL) and row["value"] < 0.5 and row["verdict"] == "ok"
 
 
 def test_the_staleness_share_compares_lag_zero_sequences_with_all(tmp_path):
