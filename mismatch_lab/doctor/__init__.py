@@ -6,6 +6,7 @@
     measure.py    the measurements, SQL over the store through the analyses' row sets and tables
     checks.py     the registry of checks (band, source, gates, the measured column); GATES derives from it
     recommend.py  what to change, derived from the measured numbers
+    attribution.py  where each pair's mismatch comes from: each source's share (precision, weight rounding, ...)
     report.py     diagnose(con) -> Diagnosis; the one-screen report, the JSON, the app's doctor_table
     probe.py      `--model`: a short fixed probe collection through `collect`
     command.py    the CLI
