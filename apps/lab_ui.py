@@ -47,6 +47,7 @@ import pandas as pd
 import streamlit as st
 
 from mismatch_lab.analysis import browse, clipping, definitions, precision, volatility
+from mismatch_lab.analysis.sample import SAMPLE_TOKENS, sample_size, sampled, stride
 from mismatch_lab.doctor.report import doctor_view
 from mismatch_lab.errors import UserError
 from mismatch_lab.store.reader import open_store
@@ -354,10 +355,10 @@ def corrections_of(path: str | None = None):
 
 # --- the Corrections page on a sample of a large store ---------------------------------------------------
 
-CORRECTIONS_SAMPLE_TOKENS = 50_000
+CORRECTIONS_SAMPLE_TOKENS = SAMPLE_TOKENS
 """A store with more tokens than this opens the Corrections page on a sample of its prompt groups (about
-this many tokens) until the comparison of every token is cached (the warm-up's last step, or on demand):
-every method of the registry on 1 M tokens and 3 pairs costs ~50 CPU seconds on a 2-core EPYC."""
+this many tokens, analysis/sample.py) until the comparison of every token is cached (the warm-up's last step,
+or on demand)."""
 _EXACT_DONE: dict[tuple, float] = {}  # (path, overrides) -> when the comparison of every token was last returned
 
 
@@ -365,45 +366,15 @@ def _frozen(overrides) -> tuple:
     return tuple(sorted((m, tuple(sorted(p.items()))) for m, p in (overrides or {}).items()))
 
 
-def _sampled(cur, every: int, pair: tuple[str, str] | None = None):
-    """`cur` with temporary views `sequences`, `tokens`, `scores` that keep the prompt groups (run, step,
-    prompt id: the partition of the derived group advantage, so no sequence's advantage changes) whose hash
-    falls in 1 of `every`, with all their sequences, tokens and scores; with `pair` (rollout, scorer) also
-    `runs` and `scores` of that pair only. The views live with the cursor."""
-    from mismatch_lab.analysis.relations import col, table_columns
-    from mismatch_lab.store.schema import rollout_label_sql
-
-    db = cur.execute("SELECT current_database()").fetchone()[0].replace('"', '""')
-    qc = table_columns(cur, "sequences")
-    key = f"hash(q.run_id, {col(qc, 'q', 'step', 'INTEGER')}, {col(qc, 'q', 'prompt_id', 'VARCHAR')})"
-    cur.execute(f'CREATE TEMP VIEW sequences AS SELECT q.* FROM "{db}".main.sequences q WHERE {key} % {int(every)} = 0')
-    rollout, scorer = ("'" + str(x).replace("'", "''") + "'" for x in pair) if pair else (None, None)  # SQL literals
-    for table in ("tokens", "scores"):
-        only = f" WHERE x.scorer = {scorer}" if table == "scores" and pair else ""
-        cur.execute(f'CREATE TEMP VIEW {table} AS SELECT x.* FROM "{db}".main.{table} x '
-                    f"SEMI JOIN sequences q ON q.run_id = x.run_id AND q.seq_id = x.seq_id{only}")
-    if pair:
-        cur.execute(f'CREATE TEMP VIEW runs AS SELECT runs.* FROM "{db}".main.runs runs '
-                    f"WHERE {rollout_label_sql('runs')} = {rollout}")
-    return cur
-
-
-def sample_size(con) -> dict:
-    """Sequences and tokens on `con` (the whole store, or a sample of `_sampled`)."""
-    n_seqs, n_tokens = con.execute("SELECT (SELECT count(*) FROM sequences), (SELECT count(*) FROM tokens)").fetchone()
-    return {"sequences": int(n_seqs), "tokens": int(n_tokens)}
-
-
 @st.cache_data(ttl=TTL_S, show_spinner="Querying a sample…", max_entries=512)
 def _cached_sample(path: str, every: int, pair: tuple | None, module: str, name: str, args: tuple, kwargs: tuple):
     fn = getattr(importlib.import_module(module), name)
-    return _on_store(path, lambda cur: fn(_sampled(cur, every, pair), *args, **dict(kwargs)))
+    return _on_store(path, lambda cur: fn(sampled(cur, every, pair), *args, **dict(kwargs)))
 
 
 def corrections_sample_every(path: str | None = None) -> int:
     """1 for a store of at most CORRECTIONS_SAMPLE_TOKENS tokens, else the sampling stride of its prompt groups."""
-    n = _call(path or store(), sample_size)["tokens"]
-    return max(1, math.ceil(n / CORRECTIONS_SAMPLE_TOKENS))
+    return stride(_call(path or store(), sample_size)["tokens"], CORRECTIONS_SAMPLE_TOKENS)
 
 
 def _exact_tables(path: str, overrides):
@@ -435,7 +406,7 @@ def corrections_pairs(overrides=None, exact: bool = False):
         tables = _exact_tables(path, overrides)
         pairs = tables["corrections"] if tables is not None else pd.DataFrame(columns=["rollout", "scorer"])
         return pairs[["rollout", "scorer"]].drop_duplicates().reset_index(drop=True), None
-    sample = _cached_sample(path, every, None, __name__, "sample_size", (), ())
+    sample = _cached_sample(path, every, None, sample_size.__module__, "sample_size", (), ())
     whole = _call(path, sample_size)
     background = not overrides and os.environ.get("MISMATCH_LAB_APP_WARMUP", "1") != "0"  # the warm-up's last step
     return info[["rollout", "scorer"]], {"every": every, **sample, "store_sequences": whole["sequences"],

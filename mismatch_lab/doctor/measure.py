@@ -153,14 +153,14 @@ def corrections(m: Measurements) -> pd.DataFrame:
 
     if missing(("torch",)):
         return pd.DataFrame()
-    from mismatch_lab.analysis.sample import sample_size, sampled, stride
+    from mismatch_lab.analysis import sample
     from mismatch_lab.corrections.compare import compare
     from mismatch_lab.doctor.recommend import ADVISABLE
 
     # a store above SAMPLE_TOKENS is compared on a sample of whole prompt groups (1 in `every`), as the app's
     # Corrections page opens: a sequence rule decides each kept sequence exactly as on the whole store
-    every = stride(sample_size(m.con)["tokens"])
-    con = m.con if every == 1 else sampled(m.con.cursor(), every)
+    every = sample.stride(sample.sample_size(m.con)["tokens"], sample.SAMPLE_TOKENS)
+    con = m.con if every == 1 else sample.sampled(m.con.cursor(), every)
     table = compare(con, methods=ADVISABLE)["corrections"]
     return table.assign(sample_every=every)
 

@@ -56,22 +56,26 @@ def _split(label: str) -> tuple[str, str]:
     return engine, dtype
 
 
-def _dropped(m: Measurements, method: str, rollout: str, scorer: str) -> tuple[float, float]:
-    """(share of the pair's sequences `method` drops whole, the pair's sequences): `mismatch-lab corrections`'
-    frac_seqs_masked and n_seqs of the same store; NaN where it has no number (no finite token, no top-K)."""
+def _dropped(m: Measurements, method: str, rollout: str, scorer: str) -> tuple[float, float, int]:
+    """(share of the pair's sequences `method` drops whole, the pair's sequences, the sample's stride: 1 for
+    every prompt group): `mismatch-lab corrections`' frac_seqs_masked and n_seqs of the same store (of a sample
+    of a large one, measure.corrections); NaN where it has no number (no finite token, no top-K)."""
     c = m.get("corrections")
     row = c[(c["method"] == method) & (c["rollout"] == rollout) & (c["scorer"] == scorer)] if not c.empty else c
-    return (float(row["frac_seqs_masked"].iloc[0]), float(row["n_seqs"].iloc[0])) if len(row) else (math.nan, math.nan)
+    if not len(row):
+        return math.nan, math.nan, 1
+    every = int(row["sample_every"].iloc[0]) if "sample_every" in row else 1
+    return float(row["frac_seqs_masked"].iloc[0]), float(row["n_seqs"].iloc[0]), every
 
 
 def _vet(m: Measurements, options: dict[str, tuple[str, ...]], rollout: str, scorer: str):
     """The options (name -> registry methods, from ADVISES) on one pair, each method judged by its dropped
     share: ({option: its methods that drop at most MAX_DROPPED_SEQS (or were not measured)}, the sentence
     naming every share, {'<method>_dropped_seqs_pct': share in %})."""
-    kept, parts, pct, n_seqs = {}, [], {}, math.nan
+    kept, parts, pct, n_seqs, every = {}, [], {}, math.nan, 1
     for option, methods in options.items():
         for x in methods:
-            share, n = _dropped(m, x, rollout, scorer)
+            share, n, every = _dropped(m, x, rollout, scorer)
             pct[f"{x}_dropped_seqs_pct"] = 100 * share
             n_seqs = n if math.isnan(n_seqs) else n_seqs
             refused = share > MAX_DROPPED_SEQS  # False for NaN: not measured is said, not refused
@@ -80,6 +84,8 @@ def _vet(m: Measurements, options: dict[str, tuple[str, ...]], rollout: str, sco
             if not refused:
                 kept.setdefault(option, []).append(x)
     of = f" of its {int(n_seqs):,} sequences" if not math.isnan(n_seqs) else " of its sequences"
+    if every > 1:
+        of = f" of {int(n_seqs):,} sequences sampled (1 in {every} prompt groups)" if not math.isnan(n_seqs) else of
     return kept, f"`mismatch-lab corrections` on {rollout}/{scorer}, share{of} dropped: {', '.join(parts)}", pct
 
 

@@ -118,9 +118,8 @@ def _insert_run(con, rng, run_id, *, kind, engine, dtype, scorers, n_seq, topk, 
                         )
                     )
             seq_id += 1
-    con.executemany("INSERT INTO sequences VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", seq_rows)
-    con.executemany("INSERT INTO tokens VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", tok_rows)
-    con.executemany("INSERT INTO scores VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", score_rows)
+    for table, rows in (("sequences", seq_rows), ("tokens", tok_rows), ("scores", score_rows)):
+        _insert_leading(con, table, rows)
 
 
 def build_store(path: Path, *, full: bool = True) -> Path:
@@ -265,3 +264,13 @@ def lab_ui(monkeypatch):
     import lab_ui
 
     return lab_ui
+
+
+def _insert_leading(con, table: str, rows: list[tuple]) -> None:
+    """Insert rows holding the table's leading columns in DDL order: optional columns the contract gains
+    later (appended at the end) stay NULL."""
+    if not rows:
+        return
+    names = [r[0] for r in con.execute(f"DESCRIBE {table}").fetchall()][: len(rows[0])]
+    marks = ", ".join("?" * len(names))
+    con.executemany(f"INSERT INTO {table} ({', '.join(names)}) VALUES ({marks})", rows)

@@ -12,6 +12,7 @@ import pytest
 from app_paths import APP
 from streamlit.testing.v1 import AppTest
 
+from mismatch_lab.analysis.sample import sampled as sample_views
 from mismatch_lab.corrections.compare import compare
 from mismatch_lab.store.reader import open_store
 from mismatch_lab.store.synthetic import SyntheticSpec, synthetic_store, write_store
@@ -35,7 +36,7 @@ def grouped(tmp_path_factory):
 def test_the_sample_keeps_prompt_groups_whole_and_compares_like_a_store_of_only_those_sequences(grouped, tmp_path):
     con = open_store(grouped.path)
     try:
-        cur = lab_ui._sampled(con.cursor(), EVERY)
+        cur = sample_views(con.cursor(), EVERY)
         kept = cur.execute("SELECT run_id, seq_id FROM sequences").df()
         sampled = compare(cur)
         whole = con.execute("SELECT count(*) FROM sequences").fetchone()[0]
@@ -62,8 +63,8 @@ def test_the_sample_keeps_prompt_groups_whole_and_compares_like_a_store_of_only_
 def test_the_sample_of_one_pair_holds_that_pairs_rows_of_the_sample_of_every_pair(grouped):
     con = open_store(grouped.path)
     try:
-        every_pair = compare(lab_ui._sampled(con.cursor(), EVERY))
-        one = compare(lab_ui._sampled(con.cursor(), EVERY, ("vllm:bf16", "hf:bf16")))
+        every_pair = compare(sample_views(con.cursor(), EVERY))
+        one = compare(sample_views(con.cursor(), EVERY, ("vllm:bf16", "hf:bf16")))
     finally:
         con.close()
     for name, table in one.items():
@@ -84,7 +85,7 @@ def test_the_page_shows_a_sample_of_a_large_store_with_its_size_and_every_token_
     (note,) = [i.value for i in at.info if i.value.startswith("Computed on a sample")]
     con = open_store(grouped.path)
     try:
-        sampled = compare(lab_ui._sampled(con.cursor(), EVERY))["corrections"]
+        sampled = compare(sample_views(con.cursor(), EVERY))["corrections"]
         full = compare(con)["corrections"]
         sampled, full = (t[t["scorer"] == "hf:bf16"] for t in (sampled, full))  # the first pair, as listed
     finally:

@@ -12,6 +12,7 @@ from doctor_stores import Pair
 
 from mismatch_lab.cli import main
 from mismatch_lab.doctor.recommend import MAX_DROPPED_SEQS
+from mismatch_lab.store.reader import open_store
 
 # The first token of every sequence has π = 0.645 against μ = 0.5: r = 1.29 leaves PPO's clip [0.8, 1.28]
 # while |π − μ| = 0.145 stays under DPPO's δ_TV, so the trust-region advice (dppo_binary_tv) is given too.
@@ -48,6 +49,23 @@ def test_doctor_does_not_advise_the_geometric_mean_rule_where_corrections_shows_
     assert "geometric" not in seq["advice"] and "geo_mis" not in seq["advice"]
     assert seq["advice"].startswith("prefer token-level correction (token_tis, icepop)")
     assert "geo_mis 100 % (not advised: above 50 %)" in seq["because"] and "of its 6 sequences" in seq["because"]
+
+
+def test_on_a_store_above_the_sample_size_doctor_measures_the_shares_on_a_sample_and_says_so(
+        store, tmp_path, capsys, monkeypatch):
+    from mismatch_lab.analysis import sample
+
+    path = store(GEO_DROPS_ALL)
+    con = open_store(path)
+    n_tokens = sample.sample_size(con)["tokens"]
+    con.close()
+    monkeypatch.setattr(sample, "SAMPLE_TOKENS", n_tokens // 2)  # stride 2 or 3: a sample of the prompt groups
+    seq = _doctor(path, tmp_path, capsys)["sequence_ratio"]
+    every = sample.stride(n_tokens, n_tokens // 2)
+    assert every > 1
+    assert f"sequences sampled (1 in {every} prompt groups)" in seq["because"]
+    assert "geo_mis 100 % (not advised: above 50 %)" in seq["because"]  # every sampled sequence dropped, as all are
+    assert "geometric" not in seq["advice"]
 
 
 def test_doctor_advises_the_geometric_mean_rule_where_it_keeps_the_sequences(store, tmp_path, capsys):
