@@ -10,6 +10,7 @@
     steps.py          the precision metrics per training step of the runs whose sequences carry a step
     staleness.py      the precision metrics per policy lag: numerical mismatch (lag 0) apart from staleness
     approximation.py  binary / top-K TV against exact full-vocabulary TV
+    support.py        log S of a sampling rule's support against log r, per pair and mu bucket
     command.py        `mismatch-lab analyze`
 
 No torch, no vLLM: analysis runs wherever DuckDB does. `run_all` is what `analyze` prints and writes.
@@ -29,13 +30,14 @@ from mismatch_lab.analysis import (
     precision,
     staleness,
     steps,
+    support,
     violations,
     volatility,
 )
 from mismatch_lab.analysis.relations import Filters
 from mismatch_lab.analysis.rows import Rows
 
-ANALYSES = ("volatility", "clipping", "precision", "violations", "approximation", "steps", "staleness")
+ANALYSES = ("volatility", "clipping", "precision", "violations", "approximation", "steps", "staleness", "support")
 
 
 def _stack(parts: list[tuple[str, str, pd.DataFrame]]) -> pd.DataFrame:
@@ -99,6 +101,8 @@ def run_all(
     * steps:         step_series, one row per (run_id, rollout, scorer, step) of the runs over steps
     * staleness:     staleness_table, one row per (run_id, rollout, scorer, policy_lag) of the runs whose
                      sequences carry a policy lag (empty otherwise)
+    * support:       support_table, column `view` = 'pair' | 'mu_bucket': log S against log r of the pairs whose
+                     scorer stored log S (a rollout sampling with temperature / top-k / top-p; empty otherwise)
     The store is joined once (rows.Rows, materialized) and every analysis reads that row set.
     `progress(name, seconds since the start)` is called after the join and after each analysis. A rollout,
     scorer or run id the store does not hold is a UserError listing those it holds (named as the CLI's
@@ -137,6 +141,7 @@ def run_all(
             "approximation": lambda: approximation.approximation_table(con, **r),
             "steps": lambda: steps.step_series(con, **r),
             "staleness": lambda: staleness.staleness_table(con, rollout=rollout, scorer=scorer, run_ids=run_ids),
+            "support": lambda: support.support_table(con, rollout=rollout, scorer=scorer, run_ids=run_ids),
         }
         out = {}
         for name, table in tables.items():

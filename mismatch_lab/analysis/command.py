@@ -9,8 +9,8 @@ as one JSON document.
 By default it prints the summary (analysis/summary.py): what the store holds, per (rollout, scorer) pair
 the key numbers with their units, the scorers' noise floor, and the names `--table` takes. --db takes anything `open_store` reads (a .duckdb file, even while a collect writes it; a directory of
 <table>.parquet files; a study directory). The JSON holds one key per analysis (volatility, clipping,
-precision, violations, approximation, steps), each a list of row objects; NaN and +-inf become null. Every
-key is defined in docs/analysis.md.
+precision, violations, approximation, steps, staleness, support), each a list of row objects; NaN and +-inf
+become null. Every key is defined in docs/analysis.md.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from mismatch_lab.errors import UserError
 from mismatch_lab.store.reader import STORE_HELP
 
 # The column that splits each analysis into its sub-tables for printing (see run_all).
-SPLIT = {"volatility": "scale", "clipping": "view", "precision": "comparison", "violations": "source"}
+SPLIT = {"volatility": "scale", "clipping": "view", "precision": "comparison", "violations": "source", "support": "view"}
 
 if TYPE_CHECKING:  # pandas is imported where a table is printed: `analyze --help` needs none of it
     import pandas as pd

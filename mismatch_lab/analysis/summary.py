@@ -139,5 +139,5 @@ def analyze_summary(store: str, counts: dict, tables: dict[str, pd.DataFrame], f
     sizes = ", ".join(f"{name} ({len(df):,})" for name, df in tables.items())  # row counts; 120 characters
     out += ["", f"verdicts and what to change: {command('doctor', '--db', store)}",
             "print a table in full with --table NAME (repeatable), every table with --all; docs/analysis.md",
-            f"tables: {sizes}"]
+            *textwrap.wrap(f"tables: {sizes}", 120, subsequent_indent="  ", break_on_hyphens=False)]
     return out

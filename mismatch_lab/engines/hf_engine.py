@@ -20,7 +20,6 @@ from collections.abc import Sequence
 
 from mismatch_lab.engines.base import TORCH_DTYPES, GenRequest, Sample, check_samples
 
-
 LOGPROBS_MODES = {"raw": "log_softmax(raw logits) in fp32",
                   "processed": "log_softmax(processed scores: after temperature, top-k, top-p) in fp32"}
 """--logprobs-mode -> what μ is here (runs.config sampling.logprobs_mode)."""

@@ -80,10 +80,10 @@ COLUMNS: dict[str, tuple[tuple[str, str, str], ...]] = {
         # extra columns (allowed by the contract), aligned element-wise with other tables' id lists:
         ("logps_at_rollout_topk", "DOUBLE[]", "this scorer's log-probs at tokens.topk_ids_rollout (top-K TV/KL vs mu)"),
         ("logps_at_ref_topk", "DOUBLE[]", "this scorer's log-probs at the hf:fp32 scorer's topk_ids"),
-        ("log_support", "DOUBLE", "log S: log of the mass of this scorer's distribution that the rollout's sampling "
-                                  "rule (temperature, top-k, top-p; scoring.support) keeps; NULL without such a rule"),
-        ("logp_support", "DOUBLE", "log pi restricted to that support and renormalised, at the sampled token "
-                                   "(= logp - log_support at T=1); NULL outside the support or without a rule"),
+        ("log_support", "DOUBLE", ("log S: log of the mass of this scorer's distribution that the rollout's "
+                                   "sampling rule (temperature, top-k, top-p; scoring.support) keeps; NULL without one")),
+        ("logp_support", "DOUBLE", ("log pi restricted to that support and renormalised, at the sampled token "
+                                    "(= logp - log_support at T=1); NULL outside the support or without a rule")),
     ),
     "train_metrics": (
         ("run_id", "VARCHAR", ""),

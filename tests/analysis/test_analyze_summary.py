@@ -56,7 +56,10 @@ def test_each_pair_line_holds_the_precision_numbers_with_fractions_in_percent(fu
 
 def test_the_last_line_names_every_table_and_the_help_lists_them_too(full_store, capsys):
     _, out = analyze(capsys, "--db", full_store.path)
-    last = out.rstrip("\n").splitlines()[-1]
+    lines = out.rstrip("\n").splitlines()
+    first = max(i for i, line in enumerate(lines) if line.startswith("tables: "))  # wrapped at 120 characters
+    last = " ".join(line.strip() for line in lines[first:])
+    assert all(line.startswith("  ") for line in lines[first + 1:])
     assert last.startswith("tables: ") and all(f"{name} (" in last for name in ANALYSES)
     assert f"mismatch-lab doctor --db {full_store.path}" in out
     with pytest.raises(SystemExit) as exit_:
