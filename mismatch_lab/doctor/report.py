@@ -216,6 +216,10 @@ def _pct(share: float) -> str:
     return f"{100 * share:.3g} %"
 
 
+def _title(source: str) -> str:
+    return A.SOURCES[source].title if source in A.SOURCES else source
+
+
 def attribution_lines(dx: Diagnosis) -> list[str]:
     """'where it comes from': per pair, each measured source's share of its mismatch (attribution.py), the
     sources not measured (grouped by reason), and the fix of each source measured above 0."""
@@ -230,7 +234,7 @@ def attribution_lines(dx: Diagnosis) -> list[str]:
     fixed = []
     for pair, rows in by.items():
         m = next(r["mismatch"] for r in rows if r["source"] == A.UNEXPLAINED)
-        parts = [f"{A.SOURCES[r['source']].title if r['source'] in A.SOURCES else r['source']} "
+        parts = [f"{_title(r['source'])} "
                  f"{'≤ ' if r['bound'] == 'upper' else ''}{_pct(r['share'])}"
                  for r in rows if not math.isnan(r["share"])]
         lines.append(f"  {pair} ({m:.3g}): {', '.join(parts) or 'nothing measured'}")
@@ -242,7 +246,7 @@ def attribution_lines(dx: Diagnosis) -> list[str]:
     if any(r["bound"] == "upper" for r in dx.attribution):
         lines.append("  ≤: an upper bound: the rollout engine's difference from the trainer's at fp32 is not "
                      "measured here (no fp32 rollout of that engine) and counts as precision")
-    lines += [f"  {A.SOURCES[s].title}: {why} ({n} of {len(by)} pairs)" for (s, why), n in missing.items()]
+    lines += [f"  {_title(s)}: {why} ({n} of {len(by)} pairs)" for (s, why), n in missing.items()]
     advised = {a["source"] for a in dx.recommendations}
     lines += [f"  fix {A.SOURCES[s].title}: {A.SOURCES[s].fix}" + (" (advice below)" if s in advised else "")
               for s in fixed]

@@ -122,6 +122,30 @@ def test_the_unexplained_share_is_what_the_measured_shares_leave(synthetic):
             assert r["share"] == pytest.approx(max(0.0, 1 - sum(measured)), rel=RTOL, abs=RTOL)
 
 
+def test_a_pair_without_mismatch_gets_no_share_and_the_report_says_why(tmp_path):
+    path = write_store(tmp_path / "equal.duckdb", {k: v for k, v in _equal_frames().items()})
+    dx = _diagnose(path)
+    rows = _rows(dx)
+    assert math.isnan(rows[("vllm:fp32", "hf:fp32", A.UNEXPLAINED)]["share"])
+    assert "the pair has no mismatch to share (1 of 1 pairs)" in text_report(dx)
+
+
+def _equal_frames() -> dict[str, pd.DataFrame]:
+    """One fp32 rollout whose scorer returns log μ bitwise: M = 0."""
+    frames = synthetic_store_frames(SyntheticSpec(rollouts=("vllm:fp32",), n_sequences=4, seed=2))
+    tok = frames["tokens"][["run_id", "seq_id", "pos", "logp_rollout"]]
+    sc = frames["scores"].drop(columns="logp").merge(tok, on=["run_id", "seq_id", "pos"])
+    frames["scores"] = sc.rename(columns={"logp_rollout": "logp"}).assign(nonfinite=False)
+    return frames
+
+
+def synthetic_store_frames(spec: SyntheticSpec) -> dict[str, pd.DataFrame]:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        return synthetic_store(Path(d) / "s.duckdb", spec).frames
+
+
 def test_support_bias_is_not_measured_without_log_s(synthetic):
     _, dx = synthetic
     assert not [c for c in dx.checks if c["check"] == "support_bias"]

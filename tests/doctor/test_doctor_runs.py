@@ -87,7 +87,7 @@ def test_a_store_without_steps_or_batches_says_what_would_measure_them(store):
     con = open_store(store(Pair()))
     dx = diagnose(con)
     con.close()
-    assert {n["check"] for n in dx.not_measured} == {"growth", "batch_tokens", "batch_logp"}
+    assert {n["check"] for n in dx.not_measured} == {"growth", "batch_tokens", "batch_logp", "support_bias"}
     assert all(n["needs"] for n in dx.not_measured)
 
 
