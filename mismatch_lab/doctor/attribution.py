@@ -140,6 +140,10 @@ def fp32_twin(label: str, scorers: list[str]) -> str | None:
 
 
 def precision(w, rollout, scorer, scorers, pair_means: dict) -> dict:
+    unknown = [x for x in (rollout, scorer) if not parse(x)[1]]
+    if unknown:
+        return _row(rollout, scorer, "precision", reason=f"not measured: {unknown[0]}'s label names no dtype (a "
+                    "recorded or imported run): its compute precision is not known")
     cs = fp32_twin(scorer, scorers)
     cr = MU if parse(rollout)[1] == "fp32" else fp32_twin(rollout, scorers)
     if cs is None or cr is None:
@@ -169,6 +173,9 @@ def precision(w, rollout, scorer, scorers, pair_means: dict) -> dict:
 
 def weight_rounding(w, rollout, scorer, scorers) -> dict:
     wr, (engine, compute, ws) = parse(rollout)[2], parse(scorer)
+    if not parse(rollout)[1]:
+        return _row(rollout, scorer, "weight_rounding", reason="not measured: the rollout's label names no dtype "
+                    "(a recorded or imported run): its weights are not known")
     if ws == wr:
         return _row(rollout, scorer, "weight_rounding", 0.0, evidence="both sides on the same weights" + (
             f" ({wr})" if wr else " (a dtype's own rounding of the checkpoint counts as precision)"))

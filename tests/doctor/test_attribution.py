@@ -146,6 +146,16 @@ def synthetic_store_frames(spec: SyntheticSpec) -> dict[str, pd.DataFrame]:
         return synthetic_store(Path(d) / "s.duckdb", spec).frames
 
 
+def test_a_rollout_label_without_dtype_gets_no_weight_or_precision_share(tmp_path):
+    """A recorded or imported run's rollout is '<engine>' alone: its weights and compute dtype are not known."""
+    frames = synthetic_store_frames(SyntheticSpec(rollouts=("vllm:bf16",), n_sequences=4, seed=4))
+    frames["runs"] = frames["runs"].assign(engine_dtype=None)
+    rows = _rows(_diagnose(write_store(tmp_path / "rec.duckdb", frames)))
+    for source in ("weight_rounding", "precision"):
+        assert math.isnan(rows[("vllm", "hf:fp32", source)]["share"]) and rows[("vllm", "hf:fp32", source)]["reason"]
+    assert rows[("vllm", "hf:fp32", A.UNEXPLAINED)]["share"] == 1.0
+
+
 def test_support_bias_is_not_measured_without_log_s(synthetic):
     _, dx = synthetic
     assert not [c for c in dx.checks if c["check"] == "support_bias"]
