@@ -89,6 +89,8 @@ def format_text(result: dict) -> str:
                  f"{own['order_only_rate']:.4f})")
     lines.append("  flips by HF margin   " + ", ".join(
         f"[{b['lo']:g},{b['hi']:g}): {b['flips']}/{b['cells']}" for b in own["flips_by_margin"]))
+    lines.append(f"  downstream flips     {own['downstream_flips']}/{own['flips']} after a flip in an earlier layer "
+                 f"({own['downstream_flips_margin_ge_1']} of them at HF margin >= 1)")
     for name in REPLAYS:
         r = result[name]
         lines.append(f"  {name:<28} mean |dp| {r['mean_abs_dp']:.3e}  max |dp| {r['max_abs_dp']:.3e}  "

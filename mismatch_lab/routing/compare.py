@@ -53,8 +53,11 @@ def set_differs(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 def compare(ref: Routing, other: Routing, edges=MARGIN_EDGES) -> dict:
     """How `other` routes the tokens `ref` routed: per-layer flip rate (share of tokens whose expert set
     differs), `any_layer_differs` (share of tokens differing in at least one layer), order-only differences,
-    and flips by bucket of `ref`'s margin (each bucket: [lo, hi), count of (token, layer) cells, flips)."""
+    flips by bucket of `ref`'s margin (each bucket: [lo, hi), count of (token, layer) cells, flips), and
+    `downstream_flips`: flips of a token that already flipped in an earlier layer (its hidden state then
+    differs for a reason other than arithmetic), with `downstream_flips_margin_ge_1` those at margin >= 1."""
     flip = set_differs(ref.ids, other.ids)
+    downstream = flip & (np.cumsum(flip, axis=1) > 1)
     order_only = ~flip & np.any(ref.ids != other.ids, axis=-1)
     bucket = np.digitize(ref.margin, edges[1:-1], right=False)
     by_margin = [{"lo": float(edges[i]), "hi": float(edges[i + 1]), "cells": int((bucket == i).sum()),
@@ -67,6 +70,8 @@ def compare(ref: Routing, other: Routing, edges=MARGIN_EDGES) -> dict:
         "order_only_rate": float(order_only.mean()) if flip.size else 0.0,
         "flips_by_margin": by_margin,
         "max_margin_of_a_flip": float(ref.margin[flip].max()) if flip.any() else None,
+        "flips": int(flip.sum()), "downstream_flips": int(downstream.sum()),
+        "downstream_flips_margin_ge_1": int((downstream & (ref.margin >= 1.0)).sum()),
     }
 
 

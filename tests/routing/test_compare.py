@@ -24,7 +24,8 @@ def _naive(ref: Routing, other: Routing) -> dict:
     for lo, hi in zip(MARGIN_EDGES[:-1], MARGIN_EDGES[1:]):
         cells = [(t, l) for t in range(n) for l in range(layers) if lo <= ref.margin[t, l] < hi]
         buckets.append((len(cells), sum(flips[t][l] for t, l in cells)))
-    return {"per_layer": per_layer, "any": any_layer, "buckets": buckets}
+    downstream = sum(flips[t][l] and any(flips[t][:l]) for t in range(n) for l in range(layers))
+    return {"per_layer": per_layer, "any": any_layer, "buckets": buckets, "downstream": downstream}
 
 
 def test_flip_rates_any_layer_differs_and_margin_buckets_match_a_naive_loop():
@@ -36,6 +37,7 @@ def test_flip_rates_any_layer_differs_and_margin_buckets_match_a_naive_loop():
     assert got["flip_rate_per_layer"] == pytest.approx(want["per_layer"], rel=1e-12)
     assert got["any_layer_differs"] == pytest.approx(want["any"], rel=1e-12)
     assert [(b["cells"], b["flips"]) for b in got["flips_by_margin"]] == want["buckets"]
+    assert got["downstream_flips"] == want["downstream"] > 0
     assert 0 < got["flip_rate"] < 1  # the perturbation flips some cells and not all
 
 
