@@ -213,7 +213,7 @@ def print_trl(runs: dict, model: str, completions: int, max_tokens: int) -> None
     if live:
         live_med = statistics.median(live)
         print(f"  inside the live metrics (last_metrics, TRL's log, band checks): median {live_med * 1000:.2f} ms per "
-              f"step = {live_med / with_ * 100:.3f} % of the median recorded step of the same run(s)")
+              f"step = {live_med / with_ * 100:.2g} % of the median recorded step of the same run(s)")
 
 
 def main(argv=None) -> int:

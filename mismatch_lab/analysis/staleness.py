@@ -22,7 +22,14 @@ import duckdb
 import pandas as pd
 
 from mismatch_lab.analysis.precision import token_metrics
-from mismatch_lab.analysis.relations import Filters, empty, query, rollout_base, table_columns, with_metrics
+from mismatch_lab.analysis.relations import (
+    Filters,
+    empty,
+    query,
+    rollout_base,
+    table_columns,
+    with_metrics,
+)
 from mismatch_lab.analysis.rows import PRECISION_SUMS, Thresholds, sums_sql
 
 KEYS = ["run_id", "rollout", "scorer", "policy_lag"]

@@ -25,11 +25,11 @@ pytest.importorskip("vllm")
 torch = pytest.importorskip("torch")
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_trl import _config, _trainer, distributed_env  # noqa: E402,F401 - the fixture is used by name
+from test_trl import _config, _trainer, distributed_env  # noqa: F401 - the fixture is used by name
 
-from mismatch_lab.integrations.trl import attach, use_cpu_weight_sync  # noqa: E402
-from mismatch_lab.record.live import LIVE_CHECKS, step_metrics, verdict_name  # noqa: E402
-from mismatch_lab.store.reader import open_store  # noqa: E402
+from mismatch_lab.integrations.trl import attach, use_cpu_weight_sync
+from mismatch_lab.record.live import LIVE_CHECKS, step_metrics, verdict_name
+from mismatch_lab.store.reader import open_store
 
 pytestmark = pytest.mark.slow
 

@@ -50,7 +50,7 @@ def _naive(mu, pi, mask) -> dict[str, float]:
             tok["mult"].append(math.exp(abs(d)))
             seq.append(abs(d))
         per_seq.append(sum(seq) / len(seq) if seq else None)
-    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    mean = lambda xs: sum(xs) / len(xs)
     have = [s for s in per_seq if s is not None]
     return {"mismatch/tokens/count": len(tok["k3"]), "mismatch/nonfinite/count": nonfinite,
             "mismatch/abs_dp/mean": mean(tok["abs_dp"]), "mismatch/abs_dlogp/mean": mean(tok["abs_dlogp"]),
