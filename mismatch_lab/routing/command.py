@@ -80,8 +80,8 @@ def measure(model_dir: str, dtype: str, prompts: list[str], gen: int, seed: int 
 
 
 def format_text(result: dict) -> str:
-    lines = [f"routing: vLLM {result['vllm_dtype']} vs {result['trainer']} on {result['sequences']} sequences "
-             f"of {result['model']}"]
+    lines = [(f"routing: vLLM {result['vllm_dtype']} vs {result['trainer']} on {result['sequences']} sequences "
+              f"of {result['model']}")]
     own = result["hf_fp32"]["routing_vs_vllm"]
     lines.append(f"  tokens {own['tokens']}, MoE layers {own['layers']}, top-{own['k']}")
     lines.append("  flip rate per layer  " + " ".join(f"{x:.4f}" for x in own["flip_rate_per_layer"]))

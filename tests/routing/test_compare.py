@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -21,7 +23,7 @@ def _naive(ref: Routing, other: Routing) -> dict:
     per_layer = [sum(flips[t][l] for t in range(n)) / n for l in range(layers)]
     any_layer = sum(any(row) for row in flips) / n
     buckets = []
-    for lo, hi in zip(MARGIN_EDGES[:-1], MARGIN_EDGES[1:]):
+    for lo, hi in itertools.pairwise(MARGIN_EDGES):
         cells = [(t, l) for t in range(n) for l in range(layers) if lo <= ref.margin[t, l] < hi]
         buckets.append((len(cells), sum(flips[t][l] for t, l in cells)))
     downstream = sum(flips[t][l] and any(flips[t][:l]) for t in range(n) for l in range(layers))

@@ -6,7 +6,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-
 GEN_TOKENS = 64  # each prompt continued by the bf16 rollout: ~170 tokens x 4 layers in all
 
 
