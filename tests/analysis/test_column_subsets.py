@@ -282,7 +282,7 @@ def test_analyze_runs_on_a_required_columns_store_and_filters_by_an_engine_only_
 ):
     path = make_subset(source, tmp_path_factory, form, ())
     target = tmp_path / "out.json"
-    assert main(["analyze", "--db", str(path), "--json", str(target), "--rollout", "vllm"]) == 0
+    assert main(["analyze", "--db", str(path), "--json", str(target), "--rollout", "vllm", "--all"]) == 0
     doc = json.loads(target.read_text())
     assert list(doc) == list(ANALYSES)
     pairs = [r for r in doc["precision"] if r["comparison"] == "rollout_vs_scorer"]
