@@ -23,3 +23,14 @@ def test_the_report_prints_flip_rates_and_each_replays_mean_abs_dp():
     text = format_text(result)
     assert "flip rate per layer  0.1000 0.0000" in text and "[0,0.1): 1/3" in text
     assert all(f"{name}" in text for name in REPLAYS) and "mean |dp| 3.000e-02" in text
+
+
+def test_model_tiny_moe_writes_the_builders_bytes_and_wants_an_out_folder(tmp_path, tiny_moe, capsys):
+    from pathlib import Path
+
+    assert main(["model", "tiny-moe"]) == 2
+    assert "`model tiny-moe` needs --out DIR" in capsys.readouterr().err
+    assert main(["model", "tiny-moe", "--out", str(tmp_path / "m"), "--seed", "0"]) == 0
+    built = Path(capsys.readouterr().out.strip())
+    assert built == tmp_path / "m"
+    assert (built / "model.safetensors").read_bytes() == (Path(tiny_moe) / "model.safetensors").read_bytes()
