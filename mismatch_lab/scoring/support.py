@@ -27,6 +27,8 @@ LOGPROBS_MODES = ("raw", "processed")
 after temperature / top-k / top-p (vLLM processed_logprobs)."""
 SUPPORT_ROWS = 256
 """Rows per sort in `support_stats` (bounds the [rows x vocabulary] sort buffers)."""
+CANDIDATES = 64
+"""Largest logits per row the rule is first applied to; a row they do not decide is sorted whole."""
 
 
 @dataclass(frozen=True)
@@ -71,28 +73,70 @@ def support_stats(lp, rule: SamplingRule, targets, rows: int = SUPPORT_ROWS):
 
 
 def _support_rows(lp, rule: SamplingRule, tgt):
+    """(log S, renormalised log π at `tgt`) of rows `lp`: the top-`CANDIDATES` path where it decides the
+    support, the full sort (`_sorted`) for the other rows."""
     import torch
 
     z = lp / rule.temperature if rule.temperature != 1.0 else lp
-    lse = torch.logsumexp(z, dim=-1)
-    if rule.top_p >= 1.0:  # top-k alone (or temperature alone): no sort
-        kept = torch.ones_like(z, dtype=torch.bool)
-        if rule.top_k > 0 and rule.top_k < z.shape[-1]:
-            kept = z >= z.topk(rule.top_k, dim=-1).values[:, -1:]
-        zk = z.masked_fill(~kept, float("-inf"))
-        kept_lse = torch.logsumexp(zk, dim=-1)
-        at = kept.gather(1, tgt.view(-1, 1)).view(-1)
+    # lp is normalised: at T = 1 its log-sum-exp is 0 up to rounding, a pass over the vocabulary saved
+    lse = torch.logsumexp(z, dim=-1) if rule.temperature != 1.0 else torch.zeros(z.shape[0], dtype=z.dtype)
+    if rule.top_k <= 0 and rule.top_p >= 1.0:  # temperature alone keeps every token
+        kept_lse, at = lse, torch.ones(z.shape[0], dtype=torch.bool)
     else:
-        zs, idx = z.sort(dim=-1)  # ascending, as vLLM sorts
-        if rule.top_k > 0 and rule.top_k < z.shape[-1]:
-            v = zs.shape[-1]
-            zs.masked_fill_(zs < zs[:, v - rule.top_k:v - rule.top_k + 1], float("-inf"))
-        drop = zs.softmax(dim=-1).cumsum(dim=-1) <= 1 - rule.top_p
-        drop[:, -1] = False
-        zs.masked_fill_(drop, float("-inf"))
-        kept_lse = torch.logsumexp(zs, dim=-1)
-        pos = (idx == tgt.view(-1, 1)).to(torch.int8).argmax(dim=-1, keepdim=True)
-        at = torch.isfinite(zs.gather(1, pos)).view(-1)
+        kept_lse, at, ok = _candidates(z, lse, rule, tgt)
+        if not ok.all():
+            bad = (~ok).nonzero().view(-1)
+            kept_lse[bad], at[bad] = _sorted(z[bad], rule, tgt[bad])
     zt = z.gather(1, tgt.view(-1, 1)).view(-1)
     logp_support = torch.where(at, zt - kept_lse, torch.full_like(zt, float("-inf")))
     return kept_lse - lse, logp_support
+
+
+def _candidates(z, lse, rule: SamplingRule, tgt):
+    """The rule on each row's `CANDIDATES` largest logits (a top-k of k more: k of them): (log-sum-exp of the
+    kept, target kept, whether the candidates decide the row). They do when every token outside them is
+    dropped: the top-k boundary (ties included) lies inside, and top-p's cumulative sum below the candidates,
+    the mass outside them, is <= 1 - p, so vLLM's ascending cumulative sum drops all of them."""
+    import torch
+
+    v = z.shape[-1]
+    m = min(v, max(CANDIDATES, rule.top_k + 1))
+    vals, idx = z.topk(m, dim=-1)  # descending
+    keep = torch.ones_like(vals, dtype=torch.bool)
+    ok = torch.ones(z.shape[0], dtype=torch.bool)
+    base, outside = lse, None
+    if 0 < rule.top_k < v:
+        kth = vals[:, rule.top_k - 1:rule.top_k]
+        keep = vals >= kth
+        ok &= (vals[:, -1:] < kth).view(-1) | (m == v)  # a tie of the k-th running past the candidates
+        base = torch.logsumexp(vals.masked_fill(~keep, float("-inf")), dim=-1)  # top-p renormalises over top-k
+        outside = torch.zeros_like(base)
+    if rule.top_p < 1.0:
+        probs = torch.exp(vals - base.view(-1, 1)).masked_fill(~keep, 0.0)
+        if outside is None:
+            outside = (1.0 - probs.sum(dim=-1)).clamp_min(0.0)
+        cum = outside.view(-1, 1) + probs.flip(-1).cumsum(dim=-1).flip(-1)  # vLLM's ascending cumulative sum
+        drop = cum <= 1 - rule.top_p
+        drop[:, 0] = False
+        keep &= ~drop
+        ok &= (outside <= 1 - rule.top_p) | (m == v)
+    kept_lse = torch.logsumexp(vals.masked_fill(~keep, float("-inf")), dim=-1)
+    at = ((idx == tgt.view(-1, 1)) & keep).any(dim=-1)
+    return kept_lse, at, ok
+
+
+def _sorted(z, rule: SamplingRule, tgt):
+    """The rule as vLLM runs it: (log-sum-exp of the kept, target kept) from a full ascending sort."""
+    import torch
+
+    zs, idx = z.sort(dim=-1)  # ascending, as vLLM sorts
+    v = zs.shape[-1]
+    if 0 < rule.top_k < v:
+        zs.masked_fill_(zs < zs[:, v - rule.top_k:v - rule.top_k + 1], float("-inf"))
+    if rule.top_p < 1.0:
+        drop = zs.softmax(dim=-1).cumsum(dim=-1) <= 1 - rule.top_p
+        drop[:, -1] = False
+        zs.masked_fill_(drop, float("-inf"))
+    kept_lse = torch.logsumexp(zs, dim=-1)
+    pos = (idx == tgt.view(-1, 1)).to(torch.int8).argmax(dim=-1, keepdim=True)
+    return kept_lse, torch.isfinite(zs.gather(1, pos)).view(-1)

@@ -47,7 +47,8 @@ def _naive(lp: np.ndarray, rule: SamplingRule, tgt: int) -> tuple[float, float]:
 @pytest.fixture(scope="module")
 def rows():
     g = torch.Generator().manual_seed(0)
-    logits = torch.randn(N, V, generator=g) * 3.0
+    # peaked rows (their support within support.CANDIDATES) and flat ones (sorted whole)
+    logits = torch.randn(N, V, generator=g) * torch.where(torch.arange(N) % 2 == 0, 3.0, 0.3).view(-1, 1)
     lp = torch.log_softmax(logits, dim=-1)
     tgt = torch.multinomial(lp.exp(), 1, generator=g).view(-1)
     tgt[:8] = lp.argsort(dim=-1)[:8, 0]  # the least likely token: outside every support that restricts
@@ -67,11 +68,27 @@ def test_log_s_and_renormalised_log_pi_equal_a_naive_numpy_reference(rows, rule)
         assert (log_s.numpy() < 0).all() and not inside[:8].any()  # the least likely tokens are cut
 
 
+@pytest.mark.parametrize("rule", [r for r in RULES if r.top_p < 1 or r.top_k], ids=lambda r: r.label())
+def test_the_candidates_decide_the_peaked_rows_and_the_flat_ones_fall_back_to_the_full_sort(rows, rule):
+    from mismatch_lab.scoring.support import _candidates
+
+    lp, tgt = rows
+    z = lp / rule.temperature
+    *_, ok = _candidates(z, torch.logsumexp(z, dim=-1), rule, tgt)
+    if rule.top_k == 0:
+        assert ok[0::2].float().mean() > 0.5 and not ok[1::2].any(), ok
+    else:  # the top-k confines the support to the candidates (no ties here)
+        assert ok.all()
+
+
 def test_top_k_keeps_every_token_tied_at_its_boundary():
     lp = torch.log_softmax(torch.tensor([[3.0, 1.0, 1.0, 1.0, 0.0]]), dim=-1)
     log_s, logp_s = support_stats(lp, SamplingRule(top_k=2), torch.tensor([3]))
     kept = torch.logsumexp(lp[0, :4], dim=0)  # the three tied at the 2nd largest all stay
     assert torch.equal(log_s, kept.view(1)) and torch.isfinite(logp_s).all()
+    flat = torch.log_softmax(torch.cat([torch.tensor([2.0]), torch.zeros(199)]).view(1, -1), dim=-1)
+    log_s, logp_s = support_stats(flat, SamplingRule(top_k=3), torch.tensor([150]))  # ties past the candidates
+    assert abs(float(log_s)) <= FP32_TOL and torch.isfinite(logp_s).all()
 
 
 @pytest.mark.parametrize("rule", RULES, ids=lambda r: r.label())
