@@ -14,6 +14,7 @@ The model is reached with `LLM.apply_model` (runs in this process under VLLM_ENA
 
 from __future__ import annotations
 
+import os
 from contextlib import ExitStack, contextmanager
 
 import numpy as np
@@ -24,6 +25,8 @@ from mismatch_lab.routing.compare import Routing, margins
 
 def vllm_moe_blocks(engine) -> list:
     """The MoE blocks of the engine's model (modules with `gate` and `experts.router`), in layer order."""
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":  # hooks on a pickled copy would see nothing
+        raise UserError("routing capture needs vLLM's in-process engine: set VLLM_ENABLE_V1_MULTIPROCESSING=0")
     models = engine.llm.apply_model(lambda m: m)
     blocks = [m for _, m in models[0].named_modules()
               if hasattr(m, "gate") and hasattr(getattr(m, "experts", None), "router")]
