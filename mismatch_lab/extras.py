@@ -19,6 +19,7 @@ NEEDS: dict[str, tuple[str, tuple[str, ...]]] = {
     "train": ("train", ("torch", "transformers", "safetensors")),
     "model": ("collect", ("torch", "transformers", "safetensors", "gguf", "accelerate")),
     "layers": ("collect", ("torch", "transformers", "safetensors")),
+    "routing": ("collect", ("torch", "transformers", "safetensors", "vllm")),
     "corrections": ("", ("torch",)),
     "figures": ("figures", ("matplotlib",)),
     "app": ("app", ("streamlit", "matplotlib")),

@@ -120,7 +120,8 @@ def test_record_import_analyze_doctor_runs_and_export_in_the_light_install_match
 
 @pytest.mark.parametrize("command, names", [("corrections", "torch"), ("figures", "mismatch-lab[figures]"),
                                             ("app", "mismatch-lab[app]"), ("collect", "mismatch-lab[collect]"),
-                                            ("train", "mismatch-lab[train]")])
+                                            ("train", "mismatch-lab[train]"), ("layers", "mismatch-lab[collect]"),
+                                            ("routing", "vllm")])
 def test_a_command_needing_more_than_the_light_install_names_what_to_install_in_one_line(light_python, command,
                                                                                            names, tmp_path):
     done = _run(light_python.parent / "mismatch-lab", command, "--help", cwd=tmp_path)
