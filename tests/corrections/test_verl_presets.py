@@ -23,18 +23,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import sys
 import types
-from pathlib import Path
 
 import pytest
 import torch
 from frameworks_reference import inputs
+from verl_wheel import VERL_DIR, import_verl
 
 from mismatch_lab.corrections import frameworks
 from mismatch_lab.corrections.frameworks import verl as V
 
-VERL_DIR = Path(__file__).resolve().parents[2] / ".venv" / "verl-0.9.1"
 RTOL = 1e-9
 PRESETS = frameworks.of_framework("verl")
 
@@ -54,26 +52,12 @@ BANDS = [
 @pytest.fixture(scope="module")
 def verl():
     """verl's modules: core_algos, rollout_corr_helper, the configs and DataProto."""
-    if not (VERL_DIR / "verl").is_dir():
-        pytest.fail(f"{VERL_DIR} is missing: run `bash scripts/setup.sh` (it installs verl 0.9.1 there)")
-    stub = types.ModuleType("ray")
-    stub.ObjectRef = type("ObjectRef", (), {})
-    had_ray = sys.modules.get("ray")
-    sys.modules["ray"] = stub
-    sys.path.insert(0, str(VERL_DIR))
-    try:
-        from verl import DataProto
-        from verl.trainer.config import RolloutCorrectionConfig
-        from verl.trainer.ppo import core_algos, rollout_corr_helper
-        from verl.workers.config import ActorConfig, PolicyLossConfig
-    finally:
-        sys.path.remove(str(VERL_DIR))
-        if had_ray is None:
-            del sys.modules["ray"]
-        else:
-            sys.modules["ray"] = had_ray
-    return types.SimpleNamespace(DataProto=DataProto, RC=RolloutCorrectionConfig, core=core_algos,
-                                 helper=rollout_corr_helper, Actor=ActorConfig, PolicyLoss=PolicyLossConfig)
+    verl_pkg, config, core_algos, rollout_corr_helper, workers_config = import_verl(
+        "verl", "verl.trainer.config", "verl.trainer.ppo.core_algos", "verl.trainer.ppo.rollout_corr_helper",
+        "verl.workers.config")
+    return types.SimpleNamespace(DataProto=verl_pkg.DataProto, RC=config.RolloutCorrectionConfig, core=core_algos,
+                                 helper=rollout_corr_helper, Actor=workers_config.ActorConfig,
+                                 PolicyLoss=workers_config.PolicyLossConfig)
 
 
 @pytest.fixture(scope="module")

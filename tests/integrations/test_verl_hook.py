@@ -9,41 +9,25 @@ imports ray; the loss code never calls it)."""
 
 from __future__ import annotations
 
-import sys
 import types
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
+from verl_wheel import import_verl
 
 from mismatch_lab.errors import UserError
 from mismatch_lab.integrations import verl as hook
 from mismatch_lab.record import Recorder
 from mismatch_lab.store.reader import open_store
 
-VERL_DIR = Path(__file__).resolve().parents[2] / ".venv" / "verl-0.9.1"
-
 
 @pytest.fixture(scope="module")
 def verl():
-    if not (VERL_DIR / "verl").is_dir():
-        pytest.fail(f"{VERL_DIR} is missing: run `bash scripts/setup.sh` (it installs verl 0.9.1 there)")
-    stub = types.ModuleType("ray")
-    stub.ObjectRef = type("ObjectRef", (), {})
-    had_ray = sys.modules.get("ray")
-    sys.modules["ray"] = stub
-    sys.path.insert(0, str(VERL_DIR))
-    try:
-        from verl.trainer.ppo import core_algos
-        from verl.workers.config import ActorConfig, PolicyLossConfig
-    finally:
-        sys.path.remove(str(VERL_DIR))
-        if had_ray is None:
-            del sys.modules["ray"]
-        else:
-            sys.modules["ray"] = had_ray
-    return types.SimpleNamespace(core=core_algos, Actor=ActorConfig, PolicyLoss=PolicyLossConfig)
+    core_algos, workers_config = import_verl("verl.trainer.ppo.core_algos", "verl.workers.config")
+    return types.SimpleNamespace(core=core_algos, Actor=workers_config.ActorConfig,
+                                 PolicyLoss=workers_config.PolicyLossConfig)
 
 
 @pytest.fixture
