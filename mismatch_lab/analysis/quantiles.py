@@ -3,7 +3,7 @@
 A quantile here is numpy's default and DuckDB's `quantile_cont`: over the n non-NULL values of a group,
 sorted x_0 <= ... <= x_{n-1}, and h = (n - 1) q, the value x_lo (1 - d) + x_hi d with lo = floor(h),
 hi = ceil(h), d = h - lo. An exact aggregate keeps all n values of every group until it is done; on
-10^7 rows and two bucket scales that pass costs more than reading the rows (docs/benchmarks.md). Here:
+10^7 rows and two bucket scales that pass cost 1.1-1.8 s against 0.7-1.0 s for the bracketing below (2026-11-25, 2-core AMD EPYC). Here:
 
 1. a random sample of the rows (about SAMPLE_ROWS of them: Bernoulli, or the caller's own filter keeping
    each row with that probability) gives, per group and wanted quantile, a

@@ -12,7 +12,7 @@ unique per table and scorer, as the contract has them: duplicated keys would be 
 and paired once here). Whoever reads the parts checks that on every row (`analysis.relations.rollout_base`
 raises MISALIGNED otherwise) and then joins on keys after all. The slices let DuckDB's threads join in
 parallel (one positional scan runs on one thread). On 10^7 tokens the positional join alone costs about a
-third of DuckDB's hash join on 2 cores (0.5 s against 1.4-1.6 s; docs/benchmarks.md). A store of small
+third of DuckDB's hash join on 2 cores (0.5 s against 1.4-1.6 s, measured 2026-11-27 on a 2-core AMD EPYC). A store of small
 slices (MIN_SLICE_ROWS) is offered none, and one unit failing the footer check turns the slices off for
 the whole store. A unit with a shard cut short is not listed at all: `shards.committed_files` leaves it
 out of every table when the store is opened (with a warning naming the file); a footer that cannot be
@@ -39,7 +39,7 @@ PARTS_PER_THREAD = 4
 MIN_SLICE_ROWS = 1 << 18
 """Fewer rows a slice on average and no slices are offered: each slice is a branch of the query (its plan,
 its scans) and a small store joins on keys in well under a second anyway (500 runs of 100 tokens took
-10 s by slices against 3.5 s on keys, docs/benchmarks.md)."""
+10 s by slices against 3.5 s on keys, measured 2026-11-27 on a 2-core AMD EPYC)."""
 
 
 def declare(con: duckdb.DuckDBPyConnection, root: Path, files: dict[str, list[str]]) -> None:
