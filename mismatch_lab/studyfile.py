@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import json
 import math
-import tomllib
 from collections.abc import Callable
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
+
+import tomllib
 
 from mismatch_lab.errors import UserError
 

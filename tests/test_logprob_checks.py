@@ -8,14 +8,19 @@ import json
 
 import numpy as np
 import pytest
+from importers.import_fixtures import (
+    counts,
+    prime_line,
+    prime_sample,
+    slime_payload,
+    store_files,
+)
 
 from mismatch_lab.cli import main
 from mismatch_lab.engines.base import Sample, check_samples
 from mismatch_lab.errors import UserError
 from mismatch_lab.record.flat import LOGP_TOLERANCE, PROBABILITIES_FIX, check_logprobs
 from mismatch_lab.scoring.hf_scorer import Ragged, ScoredTokens, check_scored
-
-from importers.import_fixtures import counts, prime_line, prime_sample, slime_payload, store_files
 
 ABOVE = float(np.nextafter(LOGP_TOLERANCE, 1.0))  # the first double past the allowance
 GOOD = {"step": 0, "token_ids": [5, 6, 7], "logp_rollout": [-0.5, -1.0, -0.25], "logp_trainer": [-0.5, -1.1, -0.2]}
@@ -97,7 +102,7 @@ def test_import_jsonl_accepts_the_tolerance_masked_probabilities_and_nonfinite_v
     f.write_text(_line(logp_rollout=[LOGP_TOLERANCE, -1.0, -0.5], mask=[True, True, True]) + "\n"
                  + _line(logp_trainer=[0.9, -1.0, -0.5], mask=[False, True, True]) + "\n"  # prompt position: free
                  + '{"step": 0, "token_ids": [1, 2], "logp_rollout": [NaN, -Infinity], "logp_trainer": [null, -1.0]}\n')
-    code, out, err = _import(cli, f, tmp_path / "store")
+    code, _, err = _import(cli, f, tmp_path / "store")
     assert code == 0, err
     assert counts(tmp_path / "store")["tokens"] == 3 + 2 + 2
 

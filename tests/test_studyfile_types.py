@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import tomllib
 from dataclasses import fields
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from mismatch_lab.cli import main
 from mismatch_lab.collect.config import STUDY_SCHEMA, CollectConfig
@@ -60,18 +60,19 @@ def test_the_example_the_error_gives_is_a_value_of_the_right_type(tmp_path, key)
 
 @pytest.mark.parametrize("body, needle", [
     ("[collect]\nscorer_dtypes = 32\n",
-     '[collect] scorer_dtypes = 32 is an integer; expected an array of strings (or one comma-separated string), '
-     'e.g. scorer_dtypes = ["bf16", "fp16", "fp32"]'),
+     ('[collect] scorer_dtypes = 32 is an integer; expected an array of strings (or one comma-separated string), '
+      'e.g. scorer_dtypes = ["bf16", "fp16", "fp32"]')),
     ("model = 3\n", 'model = 3 is an integer; expected a string, e.g. model = "default"'),
     ('[collect]\nprompts = ["a.jsonl", "b.jsonl"]\n',
-     '[collect] prompts = ["a.jsonl", "b.jsonl"] is an array; expected a path (a string), '
-     'e.g. prompts = "data/default_prompts.jsonl"'),
+     ('[collect] prompts = ["a.jsonl", "b.jsonl"] is an array; expected a path (a string), '
+      'e.g. prompts = "data/default_prompts.jsonl"')),
 ])
 def test_the_reported_cases_exit_2_in_a_fresh_process_without_importing_torch(tmp_path, body, needle):
     path = _study(tmp_path, body)
     code = ("import sys\nfrom mismatch_lab.cli import main\nrc = main(['collect', '--study', sys.argv[1]])\n"
             "print('heavy:', sorted(m for m in ('torch', 'transformers', 'vllm') if m in sys.modules))\nsys.exit(rc)")
-    out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120,
+                         check=False)
     assert out.returncode == 2, out
     assert out.stderr.strip().splitlines() == [f"mismatch-lab collect: error: {path}: {needle}"], out.stderr
     assert "heavy: []" in out.stdout

@@ -23,7 +23,13 @@ import sys
 from collections.abc import Sequence
 from contextlib import contextmanager
 
-from mismatch_lab.engines.base import TORCH_DTYPES, GenRequest, Sample, check_engine_logprobs, check_samples
+from mismatch_lab.engines.base import (
+    TORCH_DTYPES,
+    GenRequest,
+    Sample,
+    check_engine_logprobs,
+    check_samples,
+)
 
 
 def _import_vllm(verbose: bool = False):

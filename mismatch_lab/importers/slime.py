@@ -41,7 +41,12 @@ from mismatch_lab.errors import UserError
 from mismatch_lab.importers.base import Discovery, Source
 from mismatch_lab.importers.jsonlines import ID_TEXT
 from mismatch_lab.record.arrow import bad_token_ids, describe_bad_ids
-from mismatch_lab.record.flat import PROBABILITIES_FIX, FlatBatch, describe_excess, logp_excess
+from mismatch_lab.record.flat import (
+    PROBABILITIES_FIX,
+    FlatBatch,
+    describe_excess,
+    logp_excess,
+)
 
 FRAMEWORK = "slime"
 HELP = "slime / miles --save-debug-train-data dumps (torch.save pickles; needs --trust-pickle)"

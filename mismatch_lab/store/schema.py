@@ -51,8 +51,8 @@ COLUMNS: dict[str, tuple[tuple[str, str, str], ...]] = {
         ("reward", "DOUBLE", ""),
         ("advantage", "DOUBLE", ""),
         ("prompt_len", "INTEGER", ""),
-        ("policy_lag", "INTEGER", "optimizer updates between the weights that sampled the sequence and those pi was "
-                                  "computed with (0: same weights); NULL when the run does not say"),
+        ("policy_lag", "INTEGER", ("optimizer updates between the weights that sampled the sequence and those pi "
+                                   "was computed with (0: same weights); NULL when the run does not say")),
     ),
     "tokens": (
         ("run_id", "VARCHAR", ""),
