@@ -8,7 +8,7 @@ import importlib
 
 from mismatch_lab.corrections.frameworks.base import FRAMEWORKS, Preset, Result, Tokens
 
-MODULES = ("verl", "trl", "slime", "prime_rl", "nemo_rl", "skyrl")
+MODULES = ("verl", "trl", "slime", "prime_rl", "nemo_rl", "skyrl", "areal", "roll")
 """Modules of this package holding presets, one per framework."""
 
 _PRESETS: dict[str, Preset] = {}
