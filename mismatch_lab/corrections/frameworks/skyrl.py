@@ -1,0 +1,200 @@
+"""SkyRL's policy losses and off-policy correction (NovaSky-AI/SkyRL @a9564572,
+skyrl/backends/skyrl_train/utils/ppo_utils.py: ppo_policy_loss, dppo_policy_loss, reduce_loss,
+apply_loss_reduction_to_advantages_minibatch; utils/off_policy_correction_utils.py: compute_off_policy_correction
+and its parts; utils/torch_utils.py: masked_mean, safe_exp_delta; skyrl/train/config/config.py: the defaults;
+docs/content/docs/algorithms/off_policy_correction.mdx: the recommended values).
+
+SkyRL's token_mean folds its normaliser into the advantages, A' = A / N (N the response tokens before any
+mask), and sums the per-token loss over the final loss mask. Every ratio goes through safe_exp_delta: the log
+ratio is cast to float32, clamped to ±20 and exponentiated, then cast back — so weights carry float32 rounding.
+
+  regular  ℓ = −min(r·A', clip(r, 0.8, 1.2)·A'), r = π/π_old;
+  dppo     ℓ = −r·A'·M, r = π/μ, M = 0 where (A > 0, π − μ > δ_high) or (A < 0, μ − π > δ_low) (binary_tv), or
+           where the binary KL of μ against π exceeds δ on the side A pushes (binary_kl); δ = 0.2.
+
+The off-policy correction reads w = π_old/μ: outlier tokens (w < low or > high) drop their whole sequence;
+the token mask drops tokens with w ∉ [low, high]; TIS multiplies ℓ by min(w, 2) per token or, `sequence`, by
+min(Π w, 5) per sequence (the product over the mask left so far); the sequence mask drops sequences whose
+geometric mean (over the mask left so far) ∉ [0.99, 1.01] or whose product ∉ [0.5, 2].
+
+SkyRL's KL loss to π_ref (use_kl_loss, 0.001) reads a reference policy a store does not hold: it is left out.
+Result.keep is the final loss mask (and, for DPPO, M); Result.weight is the TIS factor (1 without TIS; DPPO:
+its r). Metrics under SkyRL's names: clip_ratio and, with a correction on, is_ratio_* and each filter's ratios.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from mismatch_lab.corrections.frameworks.base import Preset, Result, Tokens
+
+SOURCE = ("NovaSky-AI/SkyRL @a9564572, skyrl/backends/skyrl_train/utils/ppo_utils.py (ppo_policy_loss, "
+          "dppo_policy_loss, reduce_loss), utils/off_policy_correction_utils.py")
+CLIP = 20.0
+"""safe_exp_delta's clamp on a log ratio."""
+
+
+def _exp(delta: torch.Tensor) -> torch.Tensor:
+    return delta.to(torch.float32).clamp(-CLIP, CLIP).exp().to(delta.dtype)
+
+
+def _mean(values: torch.Tensor, mask: torch.Tensor) -> float:
+    return ((values * mask).sum() / mask.sum().clamp(min=1.0)).item()
+
+
+def _bounds(prefix: str, value: torch.Tensor, low: float | None, high: float | None):
+    """(in-bounds, metrics) for a per-sequence value [B]: SkyRL's masked / over_high / under_low ratios."""
+    over = value > high if high is not None else torch.zeros_like(value, dtype=torch.bool)
+    under = value < low if low is not None else torch.zeros_like(value, dtype=torch.bool)
+    inside = ~over & ~under
+    n = float(value.shape[0])
+    return inside, {f"{prefix}_masked_ratio": ((~inside).sum() / n).item(),
+                    f"{prefix}_over_high_ratio": (over.sum() / n).item(),
+                    f"{prefix}_under_low_ratio": (under.sum() / n).item()}
+
+
+def _sequence_mask(log_w: torch.Tensor, m: torch.Tensor, s: Mapping[str, Any]):
+    total = (log_w * m).sum(-1)
+    if s["sequence_mask_metric"] == "geometric":
+        return _bounds("geo_sequence_mask", _exp(total / m.sum(-1).clamp(min=1.0)), s["geo_mask_low"],
+                       s["geo_mask_high"])
+    return _bounds("product_sequence_mask", _exp(total), s["product_mask_low"], s["product_mask_high"])
+
+
+def _tis(log_w: torch.Tensor, w: torch.Tensor, m: torch.Tensor, s: Mapping[str, Any]):
+    if s["tis_ratio_type"] == "token":
+        cap = s["token_tis_ratio_clip_high"]
+        share = (((w > cap) & (m > 0)).sum() / (m > 0).sum().clamp(min=1)).item()
+        return w.clamp(max=cap), {"tis_token_clip_high_ratio": share}
+    product = _exp((log_w * m).sum(-1, keepdim=True))
+    cap = s["sequence_tis_ratio_clip_high"]
+    return product.clamp(max=cap), {"tis_seq_clip_high_ratio": ((product > cap).sum() / product.shape[0]).item()}
+
+
+def _outliers(w: torch.Tensor, m: torch.Tensor, s: Mapping[str, Any]):
+    low, high = s["outlier_token_is_threshold_low"], s["outlier_token_is_threshold_high"]
+    valid = m > 0
+    over = (w > high) & valid if high is not None else torch.zeros_like(valid)
+    under = (w < low) & valid if low is not None else torch.zeros_like(valid)
+    n = float(w.shape[0])
+    kept = ~(over | under).any(-1)
+    return kept, {"outlier_seq_masked_ratio": ((~kept).sum() / n).item(),
+                  "outlier_seq_over_high_ratio": (over.any(-1).sum() / n).item(),
+                  "outlier_seq_under_low_ratio": (under.any(-1).sum() / n).item()}
+
+
+def _enabled(s: Mapping[str, Any]) -> bool:
+    return (s["tis_ratio_type"] is not None or s["sequence_mask_metric"] is not None
+            or s["outlier_token_is_threshold_low"] is not None or s["outlier_token_is_threshold_high"] is not None
+            or (s["token_mask_is_threshold_low"] is not None and s["token_mask_is_threshold_high"] is not None))
+
+
+def off_policy_correction(t: Tokens, m: torch.Tensor, s: Mapping[str, Any]):
+    """(TIS factor or None, loss mask after the masks, metrics): compute_off_policy_correction."""
+    if not _enabled(s):
+        return None, m, {}
+    log_w = t.logp_old - t.logp_rollout
+    w = _exp(log_w)
+    metrics = {"is_ratio_mean": _mean(w, m), "is_ratio_std": (w * m).std().item(),
+               "is_ratio_max": (w * m).max().item(), "is_ratio_min": (w * m).min().item()}
+    if s["outlier_token_is_threshold_low"] is not None or s["outlier_token_is_threshold_high"] is not None:
+        kept, more = _outliers(w, m, s)
+        m = m * kept.unsqueeze(-1).to(m.dtype)
+        metrics.update(more)
+    if s["token_mask_is_threshold_low"] is not None and s["token_mask_is_threshold_high"] is not None:
+        inside = (w >= s["token_mask_is_threshold_low"]) & (w <= s["token_mask_is_threshold_high"])
+        metrics["token_mask_ratio"] = ((~inside & (m > 0)).sum() / (m > 0).sum().clamp(min=1)).item()
+        m = m * (inside | (m == 0)).to(m.dtype)
+    tis = None
+    if s["tis_ratio_type"] is not None:
+        tis, more = _tis(log_w, w, m, s)
+        metrics.update(more)
+    if s["sequence_mask_metric"] is not None:
+        kept, more = _sequence_mask(log_w, m, s)
+        m = m * kept.unsqueeze(-1).to(m.dtype)
+        metrics.update(more)
+    return tis, m, metrics
+
+
+def _dppo_mask(t: Tokens, s: Mapping[str, Any]) -> torch.Tensor:
+    """DPPO's M ([B, T], 1 kept / 0 masked) on π against μ."""
+    lp, lmu, a = t.logp.detach(), t.logp_rollout, t.advantages
+    p, mu = lp.exp(), lmu.exp()
+    diff = p - mu
+    if s["dppo_type"] == "binary_tv":
+        out = ((a > 0) & (diff > s["delta_high"])) | ((a < 0) & (-diff > s["delta_low"]))
+    else:
+        kl = mu * (lmu - lp) + (1 - mu) * torch.log((1 - mu + 1e-8) / (1 - p + 1e-8))
+        out = (((a > 0) & (diff > 0) & (kl > s["delta_high"]))
+               | ((a < 0) & (diff < 0) & (kl > s["delta_low"])))
+    return (~out).to(a.dtype)
+
+
+def policy_loss(t: Tokens, s: Mapping[str, Any]) -> Result:
+    """SkyRL's regular or dppo policy loss with its off-policy correction (module docstring)."""
+    m = t.mask.to(t.logp.dtype)
+    a = t.advantages / m.sum().clamp(min=1)
+    if s["policy_loss_type"] == "dppo":
+        r = _exp(t.logp - t.logp_rollout)
+        gate = _dppo_mask(t, s)
+        per_token, weight = -(r * a * gate), r.detach()
+        clipped = gate == 0
+    else:
+        r = _exp(t.logp - t.logp_old)
+        surr1, surr2 = r * a, r.clamp(1 - s["eps_clip_low"], 1 + s["eps_clip_high"]) * a
+        per_token, gate = -torch.min(surr1, surr2), torch.ones_like(m)
+        clipped, weight = -surr2 > -surr1, torch.ones_like(m)
+    metrics = {"clip_ratio": _mean(clipped.to(m.dtype), m)}
+    tis, m_final, more = off_policy_correction(t, m, s)
+    metrics.update(more)
+    if tis is not None:
+        per_token, weight = per_token * tis, weight * tis
+    loss = (per_token * m_final).sum()
+    keep = (m_final > 0) & (gate > 0)
+    return Result(loss, keep, (weight * t.mask).detach(), metrics)
+
+
+_CORRECTION_OFF = {"tis_ratio_type": None, "token_tis_ratio_clip_high": 2.0, "sequence_tis_ratio_clip_high": 5.0,
+                   "sequence_mask_metric": None, "geo_mask_high": 1.01, "geo_mask_low": 0.99,
+                   "product_mask_high": 2.0, "product_mask_low": 0.5, "outlier_token_is_threshold_low": None,
+                   "outlier_token_is_threshold_high": None, "token_mask_is_threshold_low": None,
+                   "token_mask_is_threshold_high": None}
+_DEFAULT = {"policy_loss_type": "regular", "loss_reduction": "token_mean", "eps_clip_low": 0.2, "eps_clip_high": 0.2,
+            "dppo_type": "binary_tv", "delta_low": 0.2, "delta_high": 0.2, "use_kl_loss": False, **_CORRECTION_OFF}
+
+
+def _with(**changes: Any) -> dict[str, Any]:
+    return {**_DEFAULT, **changes}
+
+
+_TOKEN_TIS = {"tis_ratio_type": "token"}
+_GEO = {"sequence_mask_metric": "geometric"}
+_TOKEN_MASK = {"token_mask_is_threshold_low": 0.5, "token_mask_is_threshold_high": 2.0}
+_OUTLIER = {"outlier_token_is_threshold_low": 1e-4, "outlier_token_is_threshold_high": 100.0}
+
+
+def _preset(name: str, summary: str, settings: dict[str, Any], default: bool = False) -> Preset:
+    return Preset(f"skyrl/{name}", "skyrl", SOURCE, summary, settings, policy_loss, default)
+
+
+PRESETS = (
+    _preset("default", "ℓ = −min(r·A, clip(r, 0.8, 1.2)·A), r = π/π_old; summed / response tokens; no μ "
+            "correction", _DEFAULT, default=True),
+    _preset("token_tis", "PPO clip · min(π_old/μ, 2) per token", _with(**_TOKEN_TIS)),
+    _preset("sequence_tis", "PPO clip · min(Π π_old/μ, 5) per sequence", _with(tis_ratio_type="sequence")),
+    _preset("geometric_mask", "PPO clip; sequences with geometric-mean π_old/μ ∉ [0.99, 1.01] dropped", _with(**_GEO)),
+    _preset("product_mask", "PPO clip; sequences with Π π_old/μ ∉ [0.5, 2] dropped",
+            _with(sequence_mask_metric="product")),
+    _preset("token_mask", "PPO clip; tokens with π_old/μ ∉ [0.5, 2] dropped", _with(**_TOKEN_MASK)),
+    _preset("outlier_token_mask", "PPO clip; a sequence with a token π_old/μ < 1e-4 or > 100 dropped",
+            _with(**_OUTLIER)),
+    _preset("recommended", "the docs' TLDR stack: outlier sequences, tokens ∉ [0.5, 2], then min(π_old/μ, 2) "
+            "per token, then geometric mask [0.99, 1.01]", _with(**_GEO, **_TOKEN_TIS, **_TOKEN_MASK, **_OUTLIER)),
+    _preset("dppo-binary_tv", "ℓ = −M·A·π/μ, M = 0 where (A>0, π − μ > 0.2) or (A<0, μ − π > 0.2)",
+            _with(policy_loss_type="dppo")),
+    _preset("dppo-binary_kl", "ℓ = −M·A·π/μ, M = 0 where the binary KL(μ‖π) > 0.2 on the side A pushes",
+            _with(policy_loss_type="dppo", dppo_type="binary_kl")),
+)
