@@ -125,7 +125,6 @@ def test_list_presets_names_every_preset_its_framework_default_and_source_withou
 @pytest.mark.parametrize("bad, says", [
     (["--preset", "verl/nonsense"], "--list-presets"),
     (["--framework", "nonsense"], "choose one of"),
-    (["--framework", "nemo-rl"], "no presets for nemo-rl yet"),
     (["--preset", "verl/default", "--set", "seq_mis.cap=2"], "drop --set"),
 ])
 def test_bad_preset_arguments_exit_2_with_one_line_naming_the_fix(bad, says, capsys):
