@@ -27,8 +27,9 @@ LOGPROBS_MODES = ("raw", "processed")
 after temperature / top-k / top-p (vLLM processed_logprobs)."""
 SUPPORT_ROWS = 256
 """Rows per sort in `support_stats` (bounds the [rows x vocabulary] sort buffers)."""
-CANDIDATES = 64
-"""Largest logits per row the rule is first applied to; a row they do not decide is sorted whole."""
+CANDIDATES = (64, 1024)
+"""Largest logits per row the rule is applied to, in turn, on the rows the previous stage did not decide; a
+row none decides is sorted whole."""
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,7 @@ def support_stats(lp, rule: SamplingRule, targets, rows: int = SUPPORT_ROWS):
 
 
 def _support_rows(lp, rule: SamplingRule, tgt):
-    """(log S, renormalised log π at `tgt`) of rows `lp`: the top-`CANDIDATES` path where it decides the
+    """(log S, renormalised log π at `tgt`) of rows `lp`: the top-`CANDIDATES` stages where they decide the
     support, the full sort (`_sorted`) for the other rows."""
     import torch
 
@@ -83,24 +84,29 @@ def _support_rows(lp, rule: SamplingRule, tgt):
     if rule.top_k <= 0 and rule.top_p >= 1.0:  # temperature alone keeps every token
         kept_lse, at = lse, torch.ones(z.shape[0], dtype=torch.bool)
     else:
-        kept_lse, at, ok = _candidates(z, lse, rule, tgt)
-        if not ok.all():
-            bad = (~ok).nonzero().view(-1)
-            kept_lse[bad], at[bad] = _sorted(z[bad], rule, tgt[bad])
+        kept_lse, at = torch.empty_like(lse), torch.zeros(z.shape[0], dtype=torch.bool)
+        todo = torch.arange(z.shape[0])
+        for m in CANDIDATES:  # stages narrower than the vocabulary (else the full sort is as cheap)
+            if len(todo) and max(m, rule.top_k + 1) < z.shape[-1]:
+                every = len(todo) == z.shape[0]  # no copy of the rows at the first stage
+                kept_lse[todo], at[todo], ok = _candidates(z if every else z[todo], lse[todo], rule, tgt[todo], m)
+                todo = todo[~ok]
+        if len(todo):
+            kept_lse[todo], at[todo] = _sorted(z[todo], rule, tgt[todo])
     zt = z.gather(1, tgt.view(-1, 1)).view(-1)
     logp_support = torch.where(at, zt - kept_lse, torch.full_like(zt, float("-inf")))
     return kept_lse - lse, logp_support
 
 
-def _candidates(z, lse, rule: SamplingRule, tgt):
-    """The rule on each row's `CANDIDATES` largest logits (a top-k of k more: k of them): (log-sum-exp of the
+def _candidates(z, lse, rule: SamplingRule, tgt, m: int):
+    """The rule on each row's `m` largest logits (a top-k of k more: k of them): (log-sum-exp of the
     kept, target kept, whether the candidates decide the row). They do when every token outside them is
     dropped: the top-k boundary (ties included) lies inside, and top-p's cumulative sum below the candidates,
     the mass outside them, is <= 1 - p, so vLLM's ascending cumulative sum drops all of them."""
     import torch
 
     v = z.shape[-1]
-    m = min(v, max(CANDIDATES, rule.top_k + 1))
+    m = min(v, max(m, rule.top_k + 1))
     vals, idx = z.topk(m, dim=-1)  # descending
     keep = torch.ones_like(vals, dtype=torch.bool)
     ok = torch.ones(z.shape[0], dtype=torch.bool)

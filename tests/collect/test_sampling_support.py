@@ -70,11 +70,11 @@ def test_log_s_and_renormalised_log_pi_equal_a_naive_numpy_reference(rows, rule)
 
 @pytest.mark.parametrize("rule", [r for r in RULES if r.top_p < 1 or r.top_k], ids=lambda r: r.label())
 def test_the_candidates_decide_the_peaked_rows_and_the_flat_ones_fall_back_to_the_full_sort(rows, rule):
-    from mismatch_lab.scoring.support import _candidates
+    from mismatch_lab.scoring.support import CANDIDATES, _candidates
 
     lp, tgt = rows
     z = lp / rule.temperature
-    *_, ok = _candidates(z, torch.logsumexp(z, dim=-1), rule, tgt)
+    *_, ok = _candidates(z, torch.logsumexp(z, dim=-1), rule, tgt, CANDIDATES[0])
     if rule.top_k == 0:
         assert ok[0::2].float().mean() > 0.5 and not ok[1::2].any(), ok
     else:  # the top-k confines the support to the candidates (no ties here)
