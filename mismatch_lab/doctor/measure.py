@@ -49,8 +49,11 @@ class Measurements:
     """The measurements of one store (module doc), computed on first use. Use as a context manager: the
     rollout rows are joined once into a temporary table (`Rows(materialize=True)`), dropped on exit."""
 
-    def __init__(self, con: duckdb.DuckDBPyConnection):
+    def __init__(self, con: duckdb.DuckDBPyConnection, *, sample_tokens: int | None = None):
+        """`sample_tokens`: measure the corrections' dropped shares on a sample of about that many tokens of
+        whole prompt groups when the store holds more (the app's views); None: on every token (the CLI)."""
         self.con = con
+        self.sample_tokens = sample_tokens
         self.rows = Rows(con, Filters(), topk=False, materialize=True)
         self._cache: dict[str, pd.DataFrame] = {}
 
@@ -146,8 +149,8 @@ def approximation(m: Measurements) -> pd.DataFrame:
 
 def corrections(m: Measurements) -> pd.DataFrame:
     """`mismatch-lab corrections`' main table of the same store (corrections.compare at the published
-    defaults: frac_seqs_masked per method and pair), for the methods recommend.py may advise; on a store of
-    more than analysis.sample.SAMPLE_TOKENS tokens, of a sample of its prompt groups (column sample_every). Empty without
+    defaults: frac_seqs_masked per method and pair), for the methods recommend.py may advise; with
+    m.sample_tokens (the app) on a store holding more, of a sample of its prompt groups (column sample_every). Empty without
     torch (the light install): the advice then says each share is not measured."""
     from mismatch_lab.extras import missing
 
@@ -157,9 +160,9 @@ def corrections(m: Measurements) -> pd.DataFrame:
     from mismatch_lab.corrections.compare import compare
     from mismatch_lab.doctor.recommend import ADVISABLE
 
-    # a store above SAMPLE_TOKENS is compared on a sample of whole prompt groups (1 in `every`), as the app's
-    # Corrections page opens: a sequence rule decides each kept sequence exactly as on the whole store
-    every = sample.stride(sample.sample_size(m.con)["tokens"], sample.SAMPLE_TOKENS)
+    # in the app a large store is compared on a sample of whole prompt groups (1 in `every`), as its Corrections
+    # page opens: a sequence rule decides each kept sequence exactly as on the whole store
+    every = 1 if m.sample_tokens is None else sample.stride(sample.sample_size(m.con)["tokens"], m.sample_tokens)
     con = m.con if every == 1 else sample.sampled(m.con.cursor(), every)
     table = compare(con, methods=ADVISABLE)["corrections"]
     return table.assign(sample_every=every)

@@ -56,11 +56,12 @@ class Diagnosis:
 
 
 def diagnose(con: duckdb.DuckDBPyConnection, store: str = "", gate: str | None = None, *,
-             attribution: bool = True) -> Diagnosis:
+             attribution: bool = True, sample_tokens: int | None = None) -> Diagnosis:
     """Every check, the not-measured list and the recommendations of the store on `con`, judged for `gate`;
     with `attribution` the shares of each pair's mismatch by source (attribution.py; the app's views, which
-    do not show them, skip their cost)."""
-    with Measurements(con) as m:
+    do not show them, skip their cost); `sample_tokens`: the dropped shares of the advice on a sample of a store
+    holding more tokens (measure.Measurements; the app's views)."""
+    with Measurements(con, sample_tokens=sample_tokens) as m:
         rows, missing = run_checks(m)
         advice = [a | {"source": A.RULE_SOURCE.get(a["rule"])} for a in recommendations(m)]
         where = A.attribute(m.get("scored"), m.get("batch")) if attribution and m.rows.ok else []
@@ -162,7 +163,10 @@ class DoctorView:
 
 
 def doctor_view(con: duckdb.DuckDBPyConnection) -> DoctorView:
-    dx = diagnose(con, attribution=False)
+    """The app's doctor: no attribution, the advice's dropped shares on a sample of a large store."""
+    from mismatch_lab.analysis.sample import SAMPLE_TOKENS
+
+    dx = diagnose(con, attribution=False, sample_tokens=SAMPLE_TOKENS)
     return DoctorView(pair_verdicts(dx), dx.recommendations, _checks_frame(dx))
 
 

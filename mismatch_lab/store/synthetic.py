@@ -38,7 +38,7 @@ import pandas as pd
 import pyarrow as pa
 
 from mismatch_lab.categories import categorize
-from mismatch_lab.store.schema import REFERENCE_SCORER, create_schema
+from mismatch_lab.store.schema import COLUMNS, REFERENCE_SCORER, create_schema
 from mismatch_lab.store.writer import TABLE_TYPES
 
 # A small vocabulary touching every token category; id = index. '<|im_end|>' is the special token.
@@ -324,6 +324,10 @@ def build_benchmark_store(
     return path
 
 
+SCORE_COLUMNS = ", ".join(c[0] for c in COLUMNS["scores"][:13])
+"""The scores columns _bench_run fills, in contract order (the optional columns added later stay NULL)."""
+
+
 def _bench_run(con, run_id: str, engine: str, dtype: str, n_run: int, *, offset: int, topk: int, pairs) -> None:
     con.execute(
         "INSERT INTO runs (run_id, study, kind, created_at, status, model, weights_sha256, engine, engine_dtype, "
@@ -378,7 +382,7 @@ def _bench_run(con, run_id: str, engine: str, dtype: str, n_run: int, *, offset:
         ref_k = f"list_transform(k_lps, lambda x, j: x + {fp32_sigma!r} * 0.5 * nz(g * 64 + j, 30))"
         exact = f"abs(exp({lp}) - exp({lp_ref})) + 0.02 * u(g, {40 + i}) * {spread}"
         con.execute(
-            f"""INSERT INTO scores
+            f"""INSERT INTO scores ({SCORE_COLUMNS})
                 SELECT '{run_id}', seq_id, pos::INTEGER, '{scorer}',
                        CASE WHEN NOT bad THEN logp END, CASE WHEN NOT bad THEN 3.0 * (1.0 - exp(lmu)) + 0.1 * u(g, 60) END,
                        {'k_ids' if is_ref and k else 'NULL'}, {ref_k if is_ref and k else 'NULL'},

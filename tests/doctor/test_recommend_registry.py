@@ -51,21 +51,25 @@ def test_doctor_does_not_advise_the_geometric_mean_rule_where_corrections_shows_
     assert "geo_mis 100 % (not advised: above 50 %)" in seq["because"] and "of its 6 sequences" in seq["because"]
 
 
-def test_on_a_store_above_the_sample_size_doctor_measures_the_shares_on_a_sample_and_says_so(
-        store, tmp_path, capsys, monkeypatch):
+def test_the_apps_doctor_measures_the_shares_of_a_store_above_its_sample_size_on_a_sample_and_says_so(
+        store, tmp_path, capsys):
     from mismatch_lab.analysis import sample
+    from mismatch_lab.doctor.report import diagnose
 
     path = store(GEO_DROPS_ALL)
     con = open_store(path)
-    n_tokens = sample.sample_size(con)["tokens"]
-    con.close()
-    monkeypatch.setattr(sample, "SAMPLE_TOKENS", n_tokens // 2)  # stride 2 or 3: a sample of the prompt groups
-    seq = _doctor(path, tmp_path, capsys)["sequence_ratio"]
-    every = sample.stride(n_tokens, n_tokens // 2)
+    try:
+        n_tokens = sample.sample_size(con)["tokens"]
+        sampled = diagnose(con, attribution=False, sample_tokens=n_tokens // 2)  # what doctor_view asks for
+        every = sample.stride(n_tokens, n_tokens // 2)
+    finally:
+        con.close()
+    seq = {a["rule"]: a for a in sampled.recommendations}["sequence_ratio"]
     assert every > 1
     assert f"sequences sampled (1 in {every} prompt groups)" in seq["because"]
     assert "geo_mis 100 % (not advised: above 50 %)" in seq["because"]  # every sampled sequence dropped, as all are
     assert "geometric" not in seq["advice"]
+    assert "of its 6 sequences" in _doctor(path, tmp_path, capsys)["sequence_ratio"]["because"]  # the CLI: all
 
 
 def test_doctor_advises_the_geometric_mean_rule_where_it_keeps_the_sequences(store, tmp_path, capsys):
