@@ -90,8 +90,9 @@ def signalled_cli():
 def pytest_collection_modifyitems(config, items):
     """TRL's colocated engine, when freed, tears down vLLM's process-wide parallel state, which breaks
     every in-process engine made before it (`pipeline model parallel group is not initialized`): the TRL
-    integration tests run last, and under pytest-xdist (`-n 2 --dist loadgroup`, README command (2)) all in
-    one worker, handed out as the last unit of work."""
+    integration tests run last, and under pytest-xdist (`-n 2 --dist loadgroup --no-loadscope-reorder`, the
+    pyproject's addopts) all in one worker, handed out as the last unit of work (xdist's default reorder would
+    hand out the largest group first)."""
     items.sort(key=lambda item: "integrations" in item.path.parts)
     for item in items:
         if "integrations" in item.path.parts:
