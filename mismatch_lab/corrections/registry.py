@@ -70,7 +70,9 @@ def _objectives() -> list[Method]:
         Method("grpo", "objective", "token", {"eps_low": D.GRPO_EPS_LOW, "eps_high": D.GRPO_EPS_HIGH}, rules.grpo,
                "M = 0 where (A>0, ρ>1+ε_high) or (A<0, ρ<1−ε_low); w = r",
                "PPO/GRPO ratio clip (DPPO Eq. 10); ε_high 0.28 is DAPO's Clip-Higher (arXiv 2503.14476)",
-               "verl: clip_ratio_low/high 0.2 (0.28 Clip-Higher); TRL: epsilon / epsilon_high and slime: --eps-clip / "
+               "verl: clip_ratio_low/high 0.2 (0.28 Clip-Higher) on π/π_old, but verl's default also caps the loss of "
+               "A < 0 tokens at −3·A (clip_ratio_c 3: no gradient where ρ > 3) and clamps log ρ to ±20, which this rule "
+               "does not (preset verl/default); TRL: epsilon / epsilon_high and slime: --eps-clip / "
                "--eps-clip-high are these ε on π/π_old, but TRL always multiplies its vLLM IS ratio in (default: the "
                "sequence product π_old/μ, sequences above 3 dropped) and slime weights by π_old/μ only with --use-tis "
                "(presets trl/*, slime/*)",
@@ -115,18 +117,21 @@ def _corrections() -> list[Method]:
         Method("none", "correction", "token", {}, rules.none, "u = r_c", "no rollout correction"),
         Method("token_tis", "correction", "token", {"cap": D.TIS_CAP}, rules.token_tis, "u = min(r_c, C)",
                "truncated IS per token; C = 2 in verl/slime/miles, 3 in TRL",
-               "verl: rollout_is=token, rollout_is_threshold=2.0; TRL: vllm_importance_sampling_mode=token_truncate "
+               "verl: rollout_is=token, rollout_is_threshold=2.0 (log r_c clamped to ±20 first; preset "
+               "verl/decoupled_token_is); TRL: vllm_importance_sampling_mode=token_truncate "
                "at C = 3 (its vllm_importance_sampling_clip_max; this rule's default is 2), r_c = π_old/μ; slime: "
                "--use-tis (clamp to [--tis-clip-low 0, --tis-clip 2])", reweights=True),
         Method("seq_tis", "correction", "sequence", {"cap": D.TIS_CAP}, rules.seq_tis,
                "u = min(exp(Σ log r_c), C) on every token", "truncated IS on the sequence's product ratio",
-               "verl: rollout_is=sequence, rollout_is_threshold=2.0; TRL: vllm_importance_sampling_mode=sequence_truncate "
+               "verl: rollout_is=sequence, rollout_is_threshold=2.0 (Σ log r_c clamped to ±20 first; preset "
+               "verl/decoupled_seq_is); TRL: vllm_importance_sampling_mode=sequence_truncate "
                "at C = 3 (this rule's default is 2)",
                reweights=True),
         Method("token_mis", "correction", "token", {"cap": D.MIS_CAP}, rules.token_mis, "M = 0 where r_c > C",
                "masked IS per token", "TRL: vllm_importance_sampling_mode=token_mask, vllm_importance_sampling_clip_max=3.0"),
         Method("icepop", "correction", "token", {"low": D.ICEPOP_LOW, "high": D.ICEPOP_HIGH}, rules.icepop,
-               "M = 0 where r_c ∉ [low, high]", "IcePop", "verl: token rejection at [0.5, 5] (rollout_rs; option names differ between verl versions); slime's "
+               "M = 0 where r_c ∉ [low, high]", "IcePop", "verl: rollout_is=token with rollout_is_threshold 0.5_5.0 zeroes the IS weight outside the band and keeps "
+               "those tokens in the token-mean's denominator (preset verl/decoupled_token_icepop); slime's "
                "icepop_function keeps π_old/μ in [--tis-clip-low, --tis-clip] = [0, 2] by default: equal to this rule "
                "only with --tis-clip-low 0.5 --tis-clip 5 (preset slime/icepop)"),
         Method("seq_mis", "correction", "sequence", {"cap": D.MIS_CAP}, rules.seq_mis,
@@ -137,13 +142,16 @@ def _corrections() -> list[Method]:
                "each token's own r_c: not equal (preset trl/dapo-sequence_mask)"),
         Method("geo_mis", "correction", "sequence", {"low": D.GEO_LOW, "high": D.GEO_HIGH}, rules.geo_mis,
                "sequence dropped where exp(mean log r_c) ∉ [low, high]", "Geo-RS, geometric-mean rejection",
-               "verl Geo-RS: geometric-mean rejection at [0.999, 1.001] (rollout_rs=geometric in its older API; option names differ between verl versions)"),
+               "verl Geo-RS (rollout_rs=seq_mean_k1, 0.999_1.001) bounds exp(mean(log μ − log π_old)) = 1 / this "
+               "rule's statistic, so its band is this rule's [1/1.001, 1/0.999], and its rejection replaces the "
+               "response mask (token-mean over kept tokens; preset verl/decoupled_geo_rs)"),
         Method("k3_rs", "correction", "sequence", {"threshold": D.K3_THRESHOLD}, rules.k3_rs,
                "sequence dropped where mean(r_c − log r_c − 1) > t", "rejection on the per-sequence mean k3",
-               "verl: rollout_rs=seq_mean_k3, threshold 0.01"),
+               "verl: rollout_rs=seq_mean_k3, threshold 0.01, whose rejection replaces the response mask (token-mean "
+               "over kept tokens; preset verl/decoupled_k3_rs)"),
         Method("veto", "correction", "sequence", {"floor": D.VETO_FLOOR}, rules.veto,
                "sequence dropped where any r_c < floor", "catastrophic-token veto", "slime: the MIS example's rs_veto_threshold 1e-4 (on log π_old/μ, its "
-               "threshold rounded to float32; preset slime/mis); verl: rollout_token_veto_threshold=1e-4 (older API)"),
+               "threshold rounded to float32; preset slime/mis); verl 0.9.1 has no token veto"),
         Method("opsm", "correction", "sequence", {"delta": D.OPSM_DELTA}, rules.opsm,
                "sequence dropped where A < 0 and mean(log μ − log π_ref) > δ",
                "off-policy sequence masking (DeepSeek-V3.2)",
