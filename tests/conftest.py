@@ -87,13 +87,22 @@ def signalled_cli():
     return start
 
 
+LAST = ("tests/integrations/", "tests/layers/test_layers_vllm.py", "tests/routing/test_vllm_")
+"""Tests after which an in-process vLLM engine made before them no longer runs (`pipeline model parallel group is
+not initialized`): TRL's colocated engine, when freed, tears down vLLM's process-wide parallel state, and so do
+the engines the layers and routing tests hook and free. Engines made after them work."""
+
+
+def _last(item) -> bool:
+    path = item.path.as_posix()
+    return any(f"/{part}" in path for part in LAST)
+
+
 def pytest_collection_modifyitems(config, items):
-    """TRL's colocated engine, when freed, tears down vLLM's process-wide parallel state, which breaks
-    every in-process engine made before it (`pipeline model parallel group is not initialized`): the TRL
-    integration tests run last, and under pytest-xdist (`-n 2 --dist loadgroup --no-loadscope-reorder`, the
-    pyproject's addopts) all in one worker, handed out as the last unit of work (xdist's default reorder would
-    hand out the largest group first)."""
-    items.sort(key=lambda item: "integrations" in item.path.parts)
+    """The LAST tests run after every other (integrations last of all), and under pytest-xdist (`-n 2 --dist
+    loadgroup --no-loadscope-reorder`, the pyproject's addopts) all in one worker, handed out as the last unit of
+    work (xdist's default reorder would hand out the largest group first)."""
+    items.sort(key=lambda item: (_last(item), "integrations" in item.path.parts))
     for item in items:
-        if "integrations" in item.path.parts:
-            item.add_marker(pytest.mark.xdist_group("integrations"))
+        if _last(item):
+            item.add_marker(pytest.mark.xdist_group("last"))
