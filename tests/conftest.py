@@ -87,10 +87,12 @@ def signalled_cli():
     return start
 
 
-LAST = ("tests/integrations/", "tests/layers/test_layers_vllm.py", "tests/routing/test_vllm_")
+LAST = ("tests/collect/test_sampling_support.py", "tests/layers/test_layers_vllm.py", "tests/routing/test_vllm_",
+        "tests/integrations/")
 """Tests after which an in-process vLLM engine made before them no longer runs (`pipeline model parallel group is
 not initialized`): TRL's colocated engine, when freed, tears down vLLM's process-wide parallel state, and so do
-the engines the layers and routing tests hook and free. Engines made after them work."""
+the engines the sampling-support collects and the layers and routing tests make and free (found by running each
+before tests/rl/test_rl_loop.py's weight push on the session engine). Engines made after them work."""
 
 
 def _last(item) -> bool:
