@@ -12,7 +12,12 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from frameworks_reference import areal as ref
-from frameworks_reference.inputs import fresh, rel_close, rows, tokens
+from frameworks_reference.inputs import (
+    assert_same_result,
+    fresh,
+    rows,
+    tokens,
+)
 
 from mismatch_lab.corrections.frameworks.areal import PRESETS, ppo_actor_loss
 
@@ -31,13 +36,7 @@ def _compare(t, settings):
     ours_t = fresh(t)
     ours = ppo_actor_loss(ours_t, settings)
     ours.loss.backward()
-    assert rel_close(ours.loss.item(), loss.item()), (ours.loss.item(), loss.item())
-    torch.testing.assert_close(ours_t.logp.grad, leaf.logp.grad, rtol=1e-9, atol=0.0)
-    assert torch.equal(ours.keep, stat["loss_mask"] & t.mask)
-    torch.testing.assert_close(ours.weight, weight, rtol=1e-9, atol=0.0)
-    assert sorted(ours.metrics) == sorted(metrics)
-    for name, value in metrics.items():
-        assert rel_close(ours.metrics[name], value), (name, ours.metrics[name], value)
+    assert_same_result(ours_t, ours, loss.item(), leaf.logp.grad, stat["loss_mask"] & t.mask, weight, metrics)
     return ours
 
 

@@ -11,7 +11,13 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from frameworks_reference import nemo_rl as ref
-from frameworks_reference.inputs import fresh, rel_close, rows, tokens
+from frameworks_reference.inputs import (
+    assert_same_result,
+    fresh,
+    rel_close,
+    rows,
+    tokens,
+)
 
 from mismatch_lab.corrections.frameworks import of_framework
 from mismatch_lab.corrections.frameworks.nemo_rl import PRESETS
@@ -42,13 +48,7 @@ def test_each_nemo_rl_preset_matches_the_transcribed_loss_weights_masks_gradient
     ours_t = fresh(t)
     ours = preset(ours_t)
     ours.loss.backward()
-    assert rel_close(ours.loss.item(), loss), (ours.loss.item(), loss)
-    torch.testing.assert_close(ours_t.logp.grad, grad, rtol=1e-9, atol=0.0)
-    assert torch.equal(ours.keep, keep)
-    torch.testing.assert_close(ours.weight, weight, rtol=1e-9, atol=0.0)
-    assert sorted(ours.metrics) == sorted(metrics)
-    for name, value in metrics.items():
-        assert rel_close(float(ours.metrics[name]), float(value)), (name, ours.metrics[name], value)
+    assert_same_result(ours_t, ours, loss, grad, keep, weight, metrics)
 
 
 def test_the_nemo_rl_default_is_its_grpo_config_and_the_others_change_only_their_correction():

@@ -13,7 +13,13 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from frameworks_reference import prime_rl as ref
-from frameworks_reference.inputs import fresh, rel_close, rows, tokens
+from frameworks_reference.inputs import (
+    assert_same_result,
+    fresh,
+    rel_close,
+    rows,
+    tokens,
+)
 
 from mismatch_lab.corrections.batch import Batch
 from mismatch_lab.corrections.frameworks.prime_rl import PRESETS
@@ -45,13 +51,7 @@ def test_each_prime_rl_preset_matches_the_transcribed_loss_weights_masks_gradien
     ours_t = fresh(t)
     ours = preset(ours_t)
     ours.loss.backward()
-    assert rel_close(ours.loss.item(), loss), (ours.loss.item(), loss)
-    torch.testing.assert_close(ours_t.logp.grad, grad, rtol=1e-9, atol=0.0)
-    assert torch.equal(ours.keep, keep)
-    torch.testing.assert_close(ours.weight, weight, rtol=1e-9, atol=0.0)
-    assert sorted(ours.metrics) == sorted(metrics)
-    for name, value in metrics.items():
-        assert rel_close(ours.metrics[name], value), (name, ours.metrics[name], value)
+    assert_same_result(ours_t, ours, loss, grad, keep, weight, metrics)
 
 
 def test_the_prime_rl_presets_carry_prime_rls_config_defaults():

@@ -12,7 +12,13 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from frameworks_reference import roll as ref
-from frameworks_reference.inputs import fresh, rel_close, rows, tokens
+from frameworks_reference.inputs import (
+    assert_same_result,
+    fresh,
+    rel_close,
+    rows,
+    tokens,
+)
 
 from mismatch_lab.corrections.frameworks.roll import PRESETS, actor_loss
 
@@ -29,13 +35,8 @@ def _compare(t, settings):
     ours_t = fresh(t)
     ours = actor_loss(ours_t, settings)
     ours.loss.backward()
-    assert rel_close(ours.loss.item(), loss.item()), (ours.loss.item(), loss.item())
-    torch.testing.assert_close(ours_t.logp.grad, leaf.logp.grad, rtol=1e-9, atol=0.0)
-    assert torch.equal(ours.keep, kept.bool())
-    torch.testing.assert_close(ours.weight, (w * t.mask).to(ours.weight.dtype), rtol=1e-9, atol=0.0)
-    assert sorted(ours.metrics) == sorted(metrics)
-    for name, value in metrics.items():
-        assert rel_close(ours.metrics[name], value), (name, ours.metrics[name], value)
+    assert_same_result(ours_t, ours, loss.item(), leaf.logp.grad, kept.bool(), (w * t.mask).to(ours.weight.dtype),
+                       metrics)
     return ours
 
 

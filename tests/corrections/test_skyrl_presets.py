@@ -12,7 +12,12 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from frameworks_reference import skyrl as ref
-from frameworks_reference.inputs import fresh, rel_close, rows, tokens
+from frameworks_reference.inputs import (
+    assert_same_result,
+    fresh,
+    rows,
+    tokens,
+)
 
 from mismatch_lab.corrections.frameworks import of_framework
 from mismatch_lab.corrections.frameworks.skyrl import PRESETS
@@ -40,13 +45,7 @@ def test_each_skyrl_preset_matches_the_transcribed_loss_weights_masks_gradient_a
     ours_t = fresh(t)
     ours = preset(ours_t)
     ours.loss.backward()
-    assert rel_close(ours.loss.item(), loss), (ours.loss.item(), loss)
-    torch.testing.assert_close(ours_t.logp.grad, grad, rtol=1e-9, atol=0.0)
-    assert torch.equal(ours.keep, keep)
-    torch.testing.assert_close(ours.weight, weight, rtol=1e-9, atol=0.0)
-    assert sorted(ours.metrics) == sorted(metrics)
-    for name, value in metrics.items():
-        assert rel_close(ours.metrics[name], value), (name, ours.metrics[name], value)
+    assert_same_result(ours_t, ours, loss, grad, keep, weight, metrics)
 
 
 def test_the_skyrl_default_is_its_config_and_the_others_change_only_their_correction_or_loss_type():

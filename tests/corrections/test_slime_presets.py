@@ -12,7 +12,12 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from frameworks_reference import slime as ref
-from frameworks_reference.inputs import fresh, rel_close, rows, tokens
+from frameworks_reference.inputs import (
+    assert_same_result,
+    fresh,
+    rows,
+    tokens,
+)
 
 from mismatch_lab.corrections.frameworks.slime import DEFAULTS, MIS_YAML, PRESETS
 
@@ -50,15 +55,9 @@ def test_each_slime_preset_matches_the_transcribed_loss_weights_masks_gradient_a
     ours_t = fresh(t)
     ours = preset(ours_t)
     ours.loss.backward()
-    assert rel_close(ours.loss.item(), loss), (ours.loss.item(), loss)
-    torch.testing.assert_close(ours_t.logp.grad, grad, rtol=1e-9, atol=0.0)
-    assert torch.equal(ours.keep, keep)
-    torch.testing.assert_close(ours.weight, weight, rtol=1e-9, atol=0.0)
-    assert sorted(ours.metrics) == sorted(metrics)
     float32_rtol = t.mask.shape[0] * 2.0 ** -24
-    for name, value in metrics.items():
-        assert rel_close(ours.metrics[name], value, float32_rtol if _float32_sum(name) else 1e-9), \
-            (name, ours.metrics[name], value)
+    assert_same_result(ours_t, ours, loss, grad, keep, weight, metrics,
+                       lambda name: float32_rtol if _float32_sum(name) else 1e-9)
 
 
 def test_the_slime_presets_carry_slimes_argument_defaults_and_the_mis_yaml():

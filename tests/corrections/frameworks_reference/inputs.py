@@ -93,3 +93,16 @@ def rel_close(a: float, b: float, rtol: float = 1e-9) -> bool:
     if math.isnan(a) or math.isnan(b):
         return math.isnan(a) and math.isnan(b)
     return abs(a - b) <= rtol * max(abs(a), abs(b))
+
+
+def assert_same_result(ours_t: Tokens, ours, loss: float, grad, keep, weight, metrics: dict,
+                       metric_rtol=lambda name: 1e-9) -> None:
+    """A preset's Result (after `ours.loss.backward()` on `ours_t`) equals the reference's loss, gradient wrt
+    log π, keep mask, weight and every metric (same names; each at `metric_rtol(name)` relative)."""
+    assert rel_close(ours.loss.item(), loss), (ours.loss.item(), loss)
+    torch.testing.assert_close(ours_t.logp.grad, grad, rtol=1e-9, atol=0.0)
+    assert torch.equal(ours.keep, keep)
+    torch.testing.assert_close(ours.weight, weight, rtol=1e-9, atol=0.0)
+    assert sorted(ours.metrics) == sorted(metrics)
+    for name, value in metrics.items():
+        assert rel_close(float(ours.metrics[name]), float(value), metric_rtol(name)), (name, ours.metrics[name], value)
