@@ -85,26 +85,3 @@ def signalled_cli():
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
 
     return start
-
-
-LAST = ("tests/collect/test_sampling_support.py", "tests/layers/test_layers_vllm.py", "tests/routing/test_vllm_",
-        "tests/integrations/")
-"""Tests after which an in-process vLLM engine made before them no longer runs (`pipeline model parallel group is
-not initialized`): TRL's colocated engine, when freed, tears down vLLM's process-wide parallel state, and so do
-the engines the sampling-support collects and the layers and routing tests make and free (found by running each
-before tests/rl/test_rl_loop.py's weight push on the session engine). Engines made after them work."""
-
-
-def _last(item) -> bool:
-    path = item.path.as_posix()
-    return any(f"/{part}" in path for part in LAST)
-
-
-def pytest_collection_modifyitems(config, items):
-    """The LAST tests run after every other (integrations last of all), and under pytest-xdist (`-n 2 --dist
-    loadgroup --no-loadscope-reorder`, the pyproject's addopts) all in one worker, handed out as the last unit of
-    work (xdist's default reorder would hand out the largest group first)."""
-    items.sort(key=lambda item: (_last(item), "integrations" in item.path.parts))
-    for item in items:
-        if _last(item):
-            item.add_marker(pytest.mark.xdist_group("last"))

@@ -49,6 +49,9 @@ def _import_vllm(verbose: bool = False):
             "or use --engine hf"
         ) from exc
     logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"] if not verbose else logging.INFO)
+    from mismatch_lab.engines.vllm_teardown import install
+
+    install()  # freeing one in-process engine leaves the others of the process running
     return vllm
 
 
