@@ -55,11 +55,15 @@ def test_the_nemo_rl_default_is_its_grpo_config_and_the_others_change_only_their
     assert of_framework("nemo-rl")[0] is BY_NAME["nemo-rl/default"] and BY_NAME["nemo-rl/default"].default
     assert dict(BY_NAME["nemo-rl/default"].settings) == ref.LOSS_FN
     assert dict(BY_NAME["nemo-rl/icepop"].settings)["truncated_importance_sampling_ratio_min"] == 0.5
+    loss_options = {"ratio_clip_min", "ratio_clip_max", "ratio_clip_c", "token_level_loss",
+                    "sequence_level_importance_ratios", "disable_ppo_ratio", "force_on_policy_ratio", "use_cispo"}
     for preset in PRESETS:
+        assert set(preset.settings) == set(ref.LOSS_FN), preset.name
         changed = {k for k, v in preset.settings.items() if ref.LOSS_FN[k] != v}
-        assert changed <= {"use_importance_sampling_correction", "truncated_importance_sampling_type",
-                           "truncated_importance_sampling_ratio", "truncated_importance_sampling_ratio_min",
-                           "seq_logprob_error_threshold"}, (preset.name, changed)
+        assert changed <= loss_options | {"use_importance_sampling_correction", "truncated_importance_sampling_type",
+                                          "truncated_importance_sampling_ratio",
+                                          "truncated_importance_sampling_ratio_min",
+                                          "seq_logprob_error_threshold"}, (preset.name, changed)
 
 
 def test_each_nemo_rl_filter_drops_some_tokens_of_the_inputs_and_keeps_others(t):
