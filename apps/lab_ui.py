@@ -46,10 +46,18 @@ import duckdb
 import pandas as pd
 import streamlit as st
 
-from mismatch_lab.analysis import browse, clipping, definitions, precision, volatility
+from mismatch_lab.analysis import (
+    browse,
+    clipping,
+    definitions,
+    precision,
+    steps,
+    volatility,
+)
 from mismatch_lab.analysis.sample import SAMPLE_TOKENS, sample_size, sampled, stride
 from mismatch_lab.doctor.report import doctor_view
 from mismatch_lab.errors import UserError
+from mismatch_lab.store import cache
 from mismatch_lab.store.reader import open_store
 from mismatch_lab.store.shards import is_shard_store
 
@@ -282,15 +290,43 @@ class _Store:
         con.close()
 
 
-@st.cache_resource(ttl=TTL_S, show_spinner="Opening the store…", on_release=_Store.release)
-def _connection(path: str) -> _Store:
+FINGERPRINT_S = 0.5  # a store's fingerprint is taken again after this long (one stat of its files per page run)
+_FINGERPRINTS: dict[str, tuple[float, str]] = {}
+_DISK: dict[str, cache.ResultsCache] = {}
+
+
+def fingerprint(path: str) -> str:
+    """The fingerprint of the store's data (`store.cache`): another one as soon as a writer adds or changes a
+    file, so every cache below (connection, queries, disk) is keyed by it and a refresh shows new data."""
+    now = time.monotonic()
+    taken = _FINGERPRINTS.get(path)
+    if taken is None or now - taken[0] > FINGERPRINT_S:
+        taken = _FINGERPRINTS[path] = (now, cache.fingerprint(path))
+    return taken[1]
+
+
+def disk(path: str) -> cache.ResultsCache:
+    """The results cache on disk of the store at `path` (`store.cache`: beside the store, or elsewhere)."""
+    key = f"{path}\0{os.environ.get(cache.ENV_VAR, '')}"
+    if key not in _DISK:
+        _DISK[key] = cache.ResultsCache(path)
+    return _DISK[key]
+
+
+@st.cache_resource(ttl=TTL_S, show_spinner="Opening the store…", on_release=_Store.release, max_entries=8)
+def _store_at(path: str, fp: str) -> _Store:
     return _Store(path)
 
 
-def _on_store(path: str, work):
+def _connection(path: str, fp: str | None = None) -> _Store:
+    """The open store of `path` as of fingerprint `fp` (default: now); the fingerprint is taken before it opens."""
+    return _store_at(path, fp or fingerprint(path))
+
+
+def _on_store(path: str, work, fp: str | None = None):
     """`work(cursor)` on the open store of `path`; again on a fresh store if *Reload data* closed it meanwhile."""
     for attempt in range(2):
-        store_ = _connection(path)
+        store_ = _connection(path, fp)
         try:
             with store_.using() as cur:
                 return work(cur)
@@ -320,13 +356,22 @@ def store() -> str:
 
 
 @st.cache_data(ttl=TTL_S, show_spinner="Querying…", max_entries=512)
-def _cached(path: str, module: str, name: str, args: tuple, kwargs: tuple):
-    fn = getattr(importlib.import_module(module), name)
-    return _on_store(path, lambda cur: fn(cur, *args, **dict(kwargs)))
+def _cached(path: str, fp: str, module: str, name: str, args: tuple, kwargs: tuple):
+    """`module.name(cursor, *args, **kwargs)` on the store as of `fp`: from the disk cache, else computed and
+    kept there. The function is imported only when computed (the Corrections rules import torch)."""
+    def compute():
+        fn = getattr(importlib.import_module(module), name)
+        return _on_store(path, lambda cur: fn(cur, *args, **dict(kwargs)), fp)
+
+    return disk(path).get_or_compute((module, name, args, kwargs), fp, compute)
 
 
 def _call(path: str, fn, *args, **kwargs):
-    return _cached(path, fn.__module__, fn.__name__, args, tuple(sorted(kwargs.items())))
+    return _call_named(path, fn.__module__, fn.__name__, *args, **kwargs)
+
+
+def _call_named(path: str, module: str, name: str, *args, **kwargs):
+    return _cached(path, fingerprint(path), module, name, args, tuple(sorted(kwargs.items())))
 
 
 def query(fn, *args, **kwargs):
@@ -349,7 +394,7 @@ def corrections_of(path: str | None = None):
     if _call(path or store(), pair_info).empty:
         return None
     tables = _call(path or store(), compare, overrides=None)
-    _EXACT_DONE[(path or store(), ())] = time.monotonic()  # the page shows it from now on
+    _EXACT_DONE[(path or store(), fingerprint(path or store()), ())] = time.monotonic()  # the page shows it now on
     return tables
 
 
@@ -359,17 +404,25 @@ CORRECTIONS_SAMPLE_TOKENS = SAMPLE_TOKENS
 """A store with more tokens than this opens the Corrections page on a sample of its prompt groups (about
 this many tokens, analysis/sample.py) until the comparison of every token is cached (the warm-up's last step,
 or on demand)."""
-_EXACT_DONE: dict[tuple, float] = {}  # (path, overrides) -> when the comparison of every token was last returned
+_EXACT_DONE: dict[tuple, float] = {}  # (path, fingerprint, overrides) -> when the comparison of every token was
+# last returned
 
 
 def _frozen(overrides) -> tuple:
     return tuple(sorted((m, tuple(sorted(p.items()))) for m, p in (overrides or {}).items()))
 
 
-@st.cache_data(ttl=TTL_S, show_spinner="Querying a sample…", max_entries=512)
 def _cached_sample(path: str, every: int, pair: tuple | None, module: str, name: str, args: tuple, kwargs: tuple):
-    fn = getattr(importlib.import_module(module), name)
-    return _on_store(path, lambda cur: fn(sampled(cur, every, pair), *args, **dict(kwargs)))
+    return _sample_at(path, fingerprint(path), every, pair, module, name, args, kwargs)
+
+
+@st.cache_data(ttl=TTL_S, show_spinner="Querying a sample…", max_entries=512)
+def _sample_at(path: str, fp: str, every: int, pair: tuple | None, module: str, name: str, args: tuple, kwargs: tuple):
+    def compute():
+        fn = getattr(importlib.import_module(module), name)
+        return _on_store(path, lambda cur: fn(sampled(cur, every, pair), *args, **dict(kwargs)), fp)
+
+    return disk(path).get_or_compute(("sample", every, pair, module, name, args, kwargs), fp, compute)
 
 
 def corrections_sample_every(path: str | None = None) -> int:
@@ -386,8 +439,15 @@ def _exact_tables(path: str, overrides):
         return None
     tables = _call(path, compare, overrides=overrides) if overrides else corrections_of(path)
     if tables is not None:
-        _EXACT_DONE[(path, _frozen(overrides))] = time.monotonic()
+        _EXACT_DONE[(path, fingerprint(path), _frozen(overrides))] = time.monotonic()
     return tables
+
+
+def _exact_on_disk(path: str) -> bool:
+    """Whether the comparison of every token at the published defaults is in the store's disk cache."""
+    from mismatch_lab.corrections.compare import compare
+
+    return disk(path).has((compare.__module__, compare.__name__, (), (("overrides", None),)), fingerprint(path))
 
 
 def corrections_pairs(overrides=None, exact: bool = False):
@@ -399,7 +459,8 @@ def corrections_pairs(overrides=None, exact: bool = False):
 
     path = store()
     every = corrections_sample_every(path)
-    done = _EXACT_DONE.get((path, _frozen(overrides)), -math.inf) > time.monotonic() - TTL_S
+    done = (_EXACT_DONE.get((path, fingerprint(path), _frozen(overrides)), -math.inf) > time.monotonic() - TTL_S
+            or not overrides and _exact_on_disk(path))
     info = None if exact or every == 1 or done else _cached_sample(path, every, None, pair_info.__module__,
                                                                     "pair_info", (), ())
     if info is None or info.empty:  # (a sample that missed every pair: the whole store)
@@ -425,13 +486,13 @@ def corrections_tables(overrides, rollout: str, scorer: str, sample: dict | None
 
 
 def dropped_tokens_of(method: str, rollout: str, scorer: str, overrides, sample: dict | None):
-    """The tokens `method` drops on the pair, on the same tokens as the comparison shown (the sample's, if any)."""
-    from mismatch_lab.corrections.dropped import dropped_tokens
-
+    """The tokens `method` drops on the pair, on the same tokens as the comparison shown (the sample's, if any).
+    Named, not imported: the module imports torch, which a cached result does not need."""
+    module = "mismatch_lab.corrections.dropped"
     if sample is None:
-        return query(dropped_tokens, method, rollout, scorer, overrides=overrides or None)
+        return _call_named(store(), module, "dropped_tokens", method, rollout, scorer, overrides=overrides or None)
     kwargs = (("overrides", overrides or None),)
-    return _cached_sample(store(), sample["every"], (rollout, scorer), dropped_tokens.__module__, "dropped_tokens",
+    return _cached_sample(store(), sample["every"], (rollout, scorer), module, "dropped_tokens",
                           (method, rollout, scorer), kwargs)
 
 
@@ -469,14 +530,21 @@ class _PairRows:
     validate=lambda pair: pair.store.usable,  # joined on a store the cache has dropped since: join again
     on_release=_PairRows.close,
 )
-def _pair_rows(path: str, rollout: str, scorer: str) -> _PairRows:
-    return _PairRows(_connection(path), rollout, scorer)
+def _pair_rows(path: str, rollout: str, scorer: str, fp: str | None = None) -> _PairRows:
+    return _PairRows(_connection(path, fp), rollout, scorer)
 
 
 @st.cache_data(ttl=TTL_S, show_spinner="Querying…", max_entries=512)
-def _volatility(path: str, rollout: str, scorer: str, buckets: str, n_buckets: int, eps_low: float, eps_high: float):
+def _volatility(path: str, fp: str, rollout: str, scorer: str, buckets: str, n_buckets: int, eps_low: float,
+                eps_high: float):
+    query_ = ("volatility", rollout, scorer, buckets, n_buckets, eps_low, eps_high)
+    return disk(path).get_or_compute(query_, fp, lambda: _volatility_on_pair(
+        path, fp, rollout, scorer, buckets, n_buckets, eps_low, eps_high))
+
+
+def _volatility_on_pair(path, fp, rollout, scorer, buckets, n_buckets, eps_low, eps_high):
     for attempt in range(2):
-        pair = _pair_rows(path, rollout, scorer)
+        pair = _pair_rows(path, rollout, scorer, fp)
         try:
             with pair.lock:
                 if pair.cursor is None:  # released between the look-up and the lock
@@ -501,7 +569,8 @@ def volatility_of(
 ):
     """The volatility table of one pair, computed from the pair's joined rows (`_PairRows`)."""
     n = n_buckets or (definitions.N_LINEAR_BUCKETS if buckets == "linear" else definitions.N_LOG_BUCKETS)
-    return _volatility(path or store(), rollout, scorer, buckets, int(n), float(eps_low), float(eps_high))
+    path = path or store()
+    return _volatility(path, fingerprint(path), rollout, scorer, buckets, int(n), float(eps_low), float(eps_high))
 
 
 def clipping_of(rollout: str, scorer: str, path: str | None = None):
@@ -515,6 +584,21 @@ def top_clipped_of(rollout: str, scorer: str, path: str | None = None):
 
 def worst_of(scorer: str | None = None, path: str | None = None):
     return _call(path or store(), browse.worst_sequences, scorer=scorer, n=WORST_N)
+
+
+def step_series_of(path: str | None = None):
+    """The Training page's mismatch per step (`analysis.steps.step_series`). On a shard store (a recorded run,
+    maybe still being written) per unit of (run, step): a refresh computes only the new or changed steps
+    (`store.cache.step_series_by_unit`); on any other store one pass over the whole store."""
+    path = path or store()
+    if not is_shard_store(path):
+        return _call(path, steps.step_series)
+    return _steps_by_unit(path, fingerprint(path))
+
+
+@st.cache_data(ttl=TTL_S, show_spinner="Querying the new steps…", max_entries=64)
+def _steps_by_unit(path: str, fp: str):
+    return cache.step_series_by_unit(path, disk(path))
 
 
 def _warm(path: str) -> None:
@@ -537,11 +621,31 @@ def _warm(path: str) -> None:
     corrections_of(path)
 
 
+def prepare(path: str):
+    """`mismatch-lab app --prepare`: into the store's results cache, in this process, what every page queries
+    at its default settings (each page run once under Streamlit's AppTest, no server) and what the warm-up
+    computes; returns the cache's folder (None: memory only, nothing kept)."""
+    from streamlit.testing.v1 import AppTest
+
+    _connection(path)  # opens (and checks) the store first: a UserError names the fix
+    os.environ[ENV_VAR] = path
+    os.environ["MISMATCH_LAB_APP_WARMUP"] = "0"  # the warm-up runs below, in this thread
+    at = AppTest.from_file(str(APP_DIR / "streamlit_app.py"), default_timeout=24 * 3600)
+    at.run()
+    for page in sorted((APP_DIR / "app_pages").glob("*.py")):
+        at.switch_page(f"app_pages/{page.name}").run()
+        for exc in at.exception:
+            print(f"warning: the {page.stem} page raised: {exc.message}", file=sys.stderr)
+    _warm(path)
+    return disk(path).folder
+
+
 class _WarmUp(threading.Thread):
     """The warm-up of one store: a daemon thread that `stop()` ends within moments, even mid-query."""
 
     def __init__(self, path: str):
         super().__init__(target=_warm, args=(path,), name=f"{WARM_UP_THREAD} {path}", daemon=True)
+        self.path = path
         self.stopping = False
         _WARM_UPS.add(self)
 
@@ -567,12 +671,20 @@ class _WarmUp(threading.Thread):
         return not self.is_alive()
 
 
-@st.cache_resource(ttl=TTL_S, show_spinner=False, on_release=_WarmUp.stop)
-def _warm_up(path: str) -> _WarmUp:
-    """Start the warm-up of one store once per TTL (the thread is the cached resource)."""
+@st.cache_resource(ttl=TTL_S, show_spinner=False, on_release=_WarmUp.stop, max_entries=8)
+def _warm_up_at(path: str, fp: str) -> _WarmUp:
+    """Start the warm-up of one store once per TTL and fingerprint (the thread is the cached resource); the
+    warm-ups of the same store's older data are stopped."""
+    for older in list(_WARM_UPS):
+        if older.path == path:
+            older.stop()
     thread = _WarmUp(path)
     thread.start()
     return thread
+
+
+def _warm_up(path: str) -> _WarmUp:
+    return _warm_up_at(path, fingerprint(path))
 
 
 def _shutdown() -> None:
@@ -585,7 +697,7 @@ def _shutdown() -> None:
         store_.shutdown()
     # Drop what the caches hold, closed cursors included: the caches outlive this handler, and DuckDB
     # objects still alive when the interpreter finalises are reported as leaks ("nanobind: leaked ...").
-    for cached in (_pair_rows, _warm_up, _connection):
+    for cached in (_pair_rows, _warm_up_at, _store_at):
         cached.clear()
 
 

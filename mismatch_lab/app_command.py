@@ -4,8 +4,12 @@
     mismatch-lab app --study studies/precision-sweep   # a study folder (reads its results/ Parquet)
     mismatch-lab app --study runs/live.duckdb --port 8502
 
+    mismatch-lab app --prepare --study runs/live   # compute what the pages show first into the results cache
+
 Becomes `streamlit run apps/streamlit_app.py -- --study <path>` (exec, same process) and also passes the
-path as $MISMATCH_LAB_STUDY. The app opens stores read-only (a snapshot when a writer holds the DuckDB
+path as $MISMATCH_LAB_STUDY. `--prepare` instead computes, without a server, what the app's warm-up computes
+(every page's default analyses) into the store's results cache (`mismatch_lab/store/cache.py`), so that every
+page of a server started later loads from it; it prints where the cache is and exits. The app opens stores read-only (a snapshot when a writer holds the DuckDB
 lock), so it can run next to a `collect` or `train` that is still writing.
 """
 
@@ -35,6 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"local port (default {DEFAULT_PORT})")
     parser.add_argument("--headless", action="store_true", help="do not open a browser window")
+    parser.add_argument("--prepare", action="store_true",
+                        help="compute every page's default analyses into the store's results cache and exit "
+                        "(no server); needs --study")
 
 
 def _check_study(study: Path) -> Path:
@@ -87,7 +94,26 @@ def build_command(study: Path | None, port: int, headless: bool) -> list[str]:
     return cmd
 
 
+def prepare(study: Path) -> int:
+    """`--prepare`: the app's warm-up run in this process, into the store's results cache."""
+    import time
+
+    path = str(_check_study(study))
+    sys.path.insert(0, str(APP.parent))
+    import lab_ui  # the app's own plumbing: the very queries, arguments and cache keys the pages use
+
+    t0 = time.perf_counter()
+    where = lab_ui.prepare(path)
+    print(f"cached every page's default analyses of {path} in {time.perf_counter() - t0:.1f} s"
+          f" -> {where or 'memory only (no writable cache folder; set MISMATCH_LAB_CACHE=DIR)'}")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.prepare:
+        if args.study is None:
+            raise UserError("--prepare needs the store: mismatch-lab app --prepare --study <store>")
+        return prepare(args.study)
     cmd = build_command(args.study, args.port, args.headless)
     env = dict(os.environ)
     if args.study is not None:

@@ -4,7 +4,7 @@ step picker that opens a step's sequences."""
 import lab_ui
 import streamlit as st
 
-from mismatch_lab.analysis import browse, definitions, steps, violations
+from mismatch_lab.analysis import browse, definitions, violations
 
 STEP_METRICS = {  # steps.step_series column -> what the chart shows
     "abs_dp_mean": "mean |π − μ| (probability)",
@@ -54,7 +54,7 @@ st.caption(
     "KL(μ ‖ π)), |Δlogp| and the share of r = π/μ outside PPO's clip range; non-finite rows are counted "
     "in `n_nonfinite`, never zeroed. Definitions: docs/analysis.md, `steps`."
 )
-per_step = lab_ui.query(steps.step_series)
+per_step = lab_ui.step_series_of()
 per_step = per_step[per_step["run_id"].isin(chosen_runs)]
 if per_step.empty:
     st.info("The chosen runs have no scored tokens with a step: the per-step mismatch needs the rollout's and a "

@@ -270,10 +270,11 @@ def _contract_columns() -> dict[str, list[tuple[str, str]]]:
     return out
 
 
-def _open_parquet_dir(d: Path) -> duckdb.DuckDBPyConnection:
+def _open_parquet_dir(d: Path, files: dict[str, list[str]] | None = None) -> duckdb.DuckDBPyConnection:
+    """`files` (a shard store only): read these committed files instead of all (the app's cache, store/cache.py)."""
     contract = _contract_columns()
     shards = is_shard_store(d)
-    files = committed_files(d) if shards else None
+    files = (committed_files(d) if files is None else files) if shards else None
     sources = _parquet_sources(d, contract, files)
     con = duckdb.connect()
     con.execute(f"CREATE TABLE {FILLED_COLUMNS}(table_name VARCHAR, column_name VARCHAR)")

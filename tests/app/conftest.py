@@ -257,6 +257,12 @@ def _no_background_warm_up(monkeypatch):
     monkeypatch.setenv("MISMATCH_LAB_APP_WARMUP", "0")
 
 
+@pytest.fixture(autouse=True)
+def _results_cache_per_test(monkeypatch, tmp_path):
+    """Each test gets its own disk cache of results (store/cache.py), so no test reads what another computed."""
+    monkeypatch.setenv("MISMATCH_LAB_CACHE", str(tmp_path / "results-cache"))
+
+
 @pytest.fixture
 def lab_ui(monkeypatch):
     """The app's UI helpers module (apps/lab_ui.py), imported in this process."""

@@ -202,4 +202,4 @@ def test_shutdown_interrupts_every_query_and_closes_every_store(lab_ui, big_stud
     assert outcome == {"query": "InterruptException"} and store.con is None
     with pytest.raises(lab_ui.StoreClosed), store.using():
         pass
-    lab_ui._connection.clear()  # a fresh store for whoever opens this path next
+    lab_ui._store_at.clear()  # a fresh store for whoever opens this path next

@@ -1,0 +1,209 @@
+"""The app on a store that is still being written, and its results cache on disk (mismatch_lab/store/cache.py).
+
+A real Recorder writes steps into a shard store between two runs of the Training page (AppTest): the refresh
+shows the new steps, and the per-step analysis runs on the new steps only (counted by wrapping the analysis
+function, not timed). A rewritten step shows its new numbers. Cached results are reused by a fresh process's
+caches, never shown for changed data, never read unless signed with the user's key; a read-only store still
+opens (its cache goes elsewhere) and a store that is not ours gets nothing written into it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import pickle
+import subprocess
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from app_paths import APP, REPO, open_page
+
+from mismatch_lab.analysis import precision, steps
+from mismatch_lab.record import Recorder
+from mismatch_lab.store import cache
+from mismatch_lab.store.reader import open_store
+
+B, T = 4, 12
+RTOL = 1e-12  # float64 sums of one step's rows, added in another order
+
+
+def _log(rec: Recorder, step: int, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    lmu = -rng.exponential(1.0, (B, T))
+    lpi = np.minimum(lmu + rng.normal(0, 0.2, (B, T)), 0.0)
+    rec.log_step(step, rng.integers(0, 100, (B, T)), np.ones((B, T), bool), lmu, lpi, rewards=rng.normal(size=B))
+
+
+def _recorder(path: Path) -> Recorder:
+    return Recorder(path, "live", framework="verl", rollout_engine="vllm", rollout_dtype="bf16")
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """Wrap `cache.open_units`, through which the Training page computes the mismatch of steps it has not
+    cached: the steps of each such computation, one set per call."""
+    calls: list[set[int]] = []
+    real = cache.open_units
+
+    @functools.wraps(real)
+    def open_units(root, units):
+        calls.append({step for _, step in units})
+        return real(root, units)
+
+    monkeypatch.setattr(cache, "open_units", open_units)
+    return calls
+
+
+def _per_step(at) -> pd.DataFrame:
+    return next(d.value for d in at.dataframe if {"step", "kl_k3", "abs_dp_mean"} <= set(d.value.columns))
+
+
+def _refresh(at, lab_ui, monkeypatch):
+    monkeypatch.setattr(lab_ui, "FINGERPRINT_S", 0.0)  # the page takes the store's fingerprint on this run
+    at.run()
+    assert not at.exception, at.exception
+    return at
+
+
+def test_a_refresh_shows_new_steps_and_computes_only_those(tmp_path, monkeypatch, lab_ui, counted):
+    path = tmp_path / "live"
+    with _recorder(path) as rec:
+        for step in range(3):
+            _log(rec, step, step)
+        at = open_page(path, monkeypatch, "training")
+        assert _per_step(at)["step"].tolist() == [0, 1, 2] and counted == [{0, 1, 2}]
+        for step in (3, 4):  # the writer goes on while the page is open
+            _log(rec, step, step)
+        _refresh(at, lab_ui, monkeypatch)
+        shown = _per_step(at)
+        assert shown["step"].tolist() == [0, 1, 2, 3, 4]
+        assert counted == [{0, 1, 2}, {3, 4}]  # the finished steps came from the cache
+        whole = steps.step_series(open_store(path))
+        pd.testing.assert_frame_equal(shown.reset_index(drop=True), whole, rtol=RTOL)
+
+
+def test_a_rewritten_step_shows_its_new_numbers(tmp_path, monkeypatch, lab_ui, counted):
+    path = tmp_path / "live"
+    with _recorder(path) as rec:
+        for step in range(3):
+            _log(rec, step, step)
+    at = open_page(path, monkeypatch, "training")
+    before = _per_step(at).set_index("step")
+    with _recorder(path) as rec:  # a resumed job logs step 1 again: its files are replaced
+        _log(rec, 1, 99)
+    _refresh(at, lab_ui, monkeypatch)
+    after = _per_step(at).set_index("step")
+    assert counted[-1] == {1}
+    assert after.loc[1, "abs_dp_mean"] != before.loc[1, "abs_dp_mean"]
+    pd.testing.assert_frame_equal(after.loc[[0, 2]], before.loc[[0, 2]])
+    whole = steps.step_series(open_store(path)).set_index("step")
+    pd.testing.assert_frame_equal(after, whole, rtol=RTOL)
+
+
+def test_a_fresh_process_reads_cached_results_and_recomputes_them_once_the_store_changes(
+        tmp_path, monkeypatch, lab_ui):
+    import streamlit as st
+
+    path = tmp_path / "live"
+    calls = []
+    real = precision.precision_table
+    monkeypatch.setattr(precision, "precision_table",
+                        functools.wraps(real)(lambda con, **kw: calls.append(1) or real(con, **kw)))
+    with _recorder(path) as rec:
+        _log(rec, 0, 0)
+        first = lab_ui.precision_of(str(path))
+        st.cache_data.clear()  # what a new server starts with: nothing in memory
+        st.cache_resource.clear()
+        again = lab_ui.precision_of(str(path))
+        assert len(calls) == 1
+        pd.testing.assert_frame_equal(again, first)
+        _log(rec, 1, 1)
+        monkeypatch.setattr(lab_ui, "FINGERPRINT_S", 0.0)
+        changed = lab_ui.precision_of(str(path))
+    assert len(calls) == 2
+    assert int(changed["n_tokens"].sum()) == 2 * B * T == 2 * int(first["n_tokens"].sum())
+
+
+def test_an_entry_not_signed_with_the_users_key_is_never_unpickled(tmp_path):
+    path = tmp_path / "live"
+    with _recorder(path) as rec:
+        _log(rec, 0, 0)
+    results = cache.ResultsCache(path)
+    fp = cache.fingerprint(path)
+    results.put(("q",), fp, "ours")
+    assert results.get(("q",), fp) == "ours"
+    entry = results._file(("q",), fp)
+
+    class Boom:
+        def __reduce__(self):
+            return (os._exit, (3,))  # would end this process if it were ever unpickled
+
+    body = pickle.dumps(Boom())
+    entry.write_bytes(b"\0" * 32 + body)  # a store from elsewhere, with a forged entry
+    assert results.get(("q",), fp) is cache.MISSING
+    assert results.get_or_compute(("q",), fp, lambda: "recomputed") == "recomputed"
+
+
+@contextmanager
+def _read_only(folder: Path):
+    """`folder` as a real read-only mount (a bind mount remounted ro; needs root, skipped otherwise)."""
+    if os.geteuid() != 0:
+        pytest.skip("a read-only bind mount needs root, and this test runs as a user")
+    for args in (["mount", "--bind", str(folder), str(folder)], ["mount", "-o", "remount,bind,ro", str(folder)]):
+        r = subprocess.run(args, check=False, capture_output=True, text=True)
+        if r.returncode:
+            subprocess.run(["umount", "-l", str(folder)], check=False, capture_output=True)
+            pytest.skip(f"a read-only bind mount is not permitted here ({r.stderr.strip()})")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], check=True)
+
+
+def test_a_read_only_store_opens_and_its_cache_goes_to_the_users_cache_folder(tmp_path, monkeypatch, counted):
+    folder = tmp_path / "mounted"
+    folder.mkdir()
+    path = folder / "live"
+    with _recorder(path) as rec:
+        _log(rec, 0, 0)
+    monkeypatch.delenv(cache.ENV_VAR)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "user-cache"))
+    assert cache.location(path) == path / cache.DIR_NAME  # writable: inside our shard store
+    files = sorted(folder.rglob("*"))
+    with _read_only(folder):
+        assert cache.location(path).is_relative_to(tmp_path / "user-cache" / "mismatch-lab" / "app")
+        at = open_page(path, monkeypatch, "training")
+        assert _per_step(at)["step"].tolist() == [0] and counted == [{0}]
+    assert sorted(folder.rglob("*")) == files
+
+
+def test_a_store_that_is_not_ours_gets_no_cache_written_into_it(parquet_store, tmp_path, monkeypatch):
+    monkeypatch.delenv(cache.ENV_VAR)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "user-cache"))
+    study = parquet_store.parent
+    before = sorted((p, p.stat().st_mtime_ns) for p in study.rglob("*"))
+    open_page(parquet_store, monkeypatch, "overview")
+    assert sorted((p, p.stat().st_mtime_ns) for p in study.rglob("*")) == before
+    assert list((tmp_path / "user-cache" / "mismatch-lab" / "app").glob("*/*/*.pkl"))  # cached there instead
+
+
+def test_app_prepare_fills_the_cache_that_the_pages_then_read(duckdb_store, tmp_path, monkeypatch):
+    db = tmp_path / "prepared.duckdb"
+    db.write_bytes(duckdb_store.read_bytes())
+    env = dict(os.environ, MISMATCH_LAB_CACHE=str(tmp_path / "results-cache"))
+    r = subprocess.run([str(Path(sys.executable).with_name("mismatch-lab")), "app", "--prepare", "--study", str(db)],
+                       check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "cached" in r.stdout
+    calls = []
+    real = precision.precision_table
+    monkeypatch.setattr(precision, "precision_table",
+                        functools.wraps(real)(lambda con, **kw: calls.append(1) or real(con, **kw)))
+    at = open_page(db, monkeypatch, "overview")
+    assert not calls  # the page's precision table came from the prepared cache
+    assert any("Precision table" in s.value for s in at.subheader)
+    assert APP.is_file()
