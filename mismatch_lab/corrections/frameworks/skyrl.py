@@ -30,21 +30,10 @@ from typing import Any
 import torch
 
 from mismatch_lab.corrections.frameworks.base import Preset, Result, Tokens
+from mismatch_lab.corrections.frameworks.skyrl_losses import LOSSES, mean, safe_exp
 
 SOURCE = ("NovaSky-AI/SkyRL @a9564572, skyrl/backends/skyrl_train/utils/ppo_utils.py (ppo_policy_loss, "
           "dppo_policy_loss, reduce_loss), utils/off_policy_correction_utils.py")
-CLIP = 20.0
-"""safe_exp_delta's clamp on a log ratio."""
-
-
-def _exp(delta: torch.Tensor) -> torch.Tensor:
-    return delta.to(torch.float32).clamp(-CLIP, CLIP).exp().to(delta.dtype)
-
-
-def _mean(values: torch.Tensor, mask: torch.Tensor) -> float:
-    return ((values * mask).sum() / mask.sum().clamp(min=1.0)).item()
-
-
 def _bounds(prefix: str, value: torch.Tensor, low: float | None, high: float | None):
     """(in-bounds, metrics) for a per-sequence value [B]: SkyRL's masked / over_high / under_low ratios."""
     over = value > high if high is not None else torch.zeros_like(value, dtype=torch.bool)
@@ -59,9 +48,9 @@ def _bounds(prefix: str, value: torch.Tensor, low: float | None, high: float | N
 def _sequence_mask(log_w: torch.Tensor, m: torch.Tensor, s: Mapping[str, Any]):
     total = (log_w * m).sum(-1)
     if s["sequence_mask_metric"] == "geometric":
-        return _bounds("geo_sequence_mask", _exp(total / m.sum(-1).clamp(min=1.0)), s["geo_mask_low"],
+        return _bounds("geo_sequence_mask", safe_exp(total / m.sum(-1).clamp(min=1.0)), s["geo_mask_low"],
                        s["geo_mask_high"])
-    return _bounds("product_sequence_mask", _exp(total), s["product_mask_low"], s["product_mask_high"])
+    return _bounds("product_sequence_mask", safe_exp(total), s["product_mask_low"], s["product_mask_high"])
 
 
 def _tis(log_w: torch.Tensor, w: torch.Tensor, m: torch.Tensor, s: Mapping[str, Any]):
@@ -69,7 +58,7 @@ def _tis(log_w: torch.Tensor, w: torch.Tensor, m: torch.Tensor, s: Mapping[str, 
         cap = s["token_tis_ratio_clip_high"]
         share = (((w > cap) & (m > 0)).sum() / (m > 0).sum().clamp(min=1)).item()
         return w.clamp(max=cap), {"tis_token_clip_high_ratio": share}
-    product = _exp((log_w * m).sum(-1, keepdim=True))
+    product = safe_exp((log_w * m).sum(-1, keepdim=True))
     cap = s["sequence_tis_ratio_clip_high"]
     return product.clamp(max=cap), {"tis_seq_clip_high_ratio": ((product > cap).sum() / product.shape[0]).item()}
 
@@ -97,8 +86,8 @@ def off_policy_correction(t: Tokens, m: torch.Tensor, s: Mapping[str, Any]):
     if not _enabled(s):
         return None, m, {}
     log_w = t.logp_old - t.logp_rollout
-    w = _exp(log_w)
-    metrics = {"is_ratio_mean": _mean(w, m), "is_ratio_std": (w * m).std().item(),
+    w = safe_exp(log_w)
+    metrics = {"is_ratio_mean": mean(w, m), "is_ratio_std": (w * m).std().item(),
                "is_ratio_max": (w * m).max().item(), "is_ratio_min": (w * m).min().item()}
     if s["outlier_token_is_threshold_low"] is not None or s["outlier_token_is_threshold_high"] is not None:
         kept, more = _outliers(w, m, s)
@@ -119,42 +108,36 @@ def off_policy_correction(t: Tokens, m: torch.Tensor, s: Mapping[str, Any]):
     return tis, m, metrics
 
 
-def _dppo_mask(t: Tokens, s: Mapping[str, Any]) -> torch.Tensor:
-    """DPPO's M ([B, T], 1 kept / 0 masked) on π against μ."""
-    lp, lmu, a = t.logp.detach(), t.logp_rollout, t.advantages
-    p, mu = lp.exp(), lmu.exp()
-    diff = p - mu
-    if s["dppo_type"] == "binary_tv":
-        out = ((a > 0) & (diff > s["delta_high"])) | ((a < 0) & (-diff > s["delta_low"]))
-    else:
-        kl = mu * (lmu - lp) + (1 - mu) * torch.log((1 - mu + 1e-8) / (1 - p + 1e-8))
-        out = (((a > 0) & (diff > 0) & (kl > s["delta_high"]))
-               | ((a < 0) & (diff < 0) & (kl > s["delta_low"])))
-    return (~out).to(a.dtype)
+def _token_mean(a: torch.Tensor, m: torch.Tensor, s: Mapping[str, Any]) -> torch.Tensor:
+    return a / m.sum().clamp(min=1)
+
+
+REDUCTIONS = {
+    "token_mean": _token_mean,
+    "token_mean_legacy": _token_mean,  # per micro-batch, then averaged over them: one micro-batch here
+    "sequence_mean": lambda a, m, s: a / (a.shape[0] * m.sum(-1, keepdim=True).clamp(min=1)),
+    "seq_mean_token_sum_norm": lambda a, m, s: a / (a.shape[0] * s["max_seq_len"]),
+}
+"""apply_loss_reduction_to_advantages_minibatch: A' = A scaled so that the summed loss is the reduction
+(prompt_mean needs prompt groups a store does not hold)."""
 
 
 def policy_loss(t: Tokens, s: Mapping[str, Any]) -> Result:
-    """SkyRL's regular or dppo policy loss with its off-policy correction (module docstring)."""
+    """SkyRL's policy loss `policy_loss_type` with its loss reduction and off-policy correction (module
+    docstring)."""
     m = t.mask.to(t.logp.dtype)
-    a = t.advantages / m.sum().clamp(min=1)
-    if s["policy_loss_type"] == "dppo":
-        r = _exp(t.logp - t.logp_rollout)
-        gate = _dppo_mask(t, s)
-        per_token, weight = -(r * a * gate), r.detach()
-        clipped = gate == 0
-    else:
-        r = _exp(t.logp - t.logp_old)
-        surr1, surr2 = r * a, r.clamp(1 - s["eps_clip_low"], 1 + s["eps_clip_high"]) * a
-        per_token, gate = -torch.min(surr1, surr2), torch.ones_like(m)
-        clipped, weight = -surr2 > -surr1, torch.ones_like(m)
-    metrics = {"clip_ratio": _mean(clipped.to(m.dtype), m)}
-    tis, m_final, more = off_policy_correction(t, m, s)
-    metrics.update(more)
+    a = REDUCTIONS[s["loss_reduction"]](t.advantages, m, s)
+    loss = LOSSES[s["policy_loss_type"]]
+    term = loss.fn(t, a, m, s)
+    per_token, weight, metrics = term.loss, term.weight, dict(term.metrics)
+    tis, m_final = None, m
+    if loss.corrects:
+        tis, m_final, more = off_policy_correction(t, m, s)
+        metrics.update(more)
     if tis is not None:
         per_token, weight = per_token * tis, weight * tis
-    loss = (per_token * m_final).sum()
-    keep = (m_final > 0) & (gate > 0)
-    return Result(loss, keep, (weight * t.mask).detach(), metrics)
+    keep = (m_final > 0) & (term.gate > 0)
+    return Result((per_token * m_final).sum(), keep, (weight * t.mask).detach(), metrics)
 
 
 _CORRECTION_OFF = {"tis_ratio_type": None, "token_tis_ratio_clip_high": 2.0, "sequence_tis_ratio_clip_high": 5.0,
@@ -162,8 +145,14 @@ _CORRECTION_OFF = {"tis_ratio_type": None, "token_tis_ratio_clip_high": 2.0, "se
                    "product_mask_high": 2.0, "product_mask_low": 0.5, "outlier_token_is_threshold_low": None,
                    "outlier_token_is_threshold_high": None, "token_mask_is_threshold_low": None,
                    "token_mask_is_threshold_high": None}
+_LOSS_OPTIONS = {"clip_ratio_c": 3.0, "tau_pos": 1.0, "tau_neg": 1.05, "cispo_eps_clip_low": 1.0,
+                 "cispo_eps_clip_high": 4.0, "cispo_anchor": "old", "clip_cov.clip_ratio": 0.0002, "clip_cov_lb": 1.0,
+                 "clip_cov_ub": 5.0, "kl_cov_frac": 0.2, "ppo_kl_coef": 1.0, "max_seq_len": None}
+"""AlgorithmConfig's clip_ratio_c and max_seq_len, and its sapo, cispo, clip_cov and kl_cov blocks (the one
+clip_cov option whose leaf name alone would mislead keeps its block)."""
 _DEFAULT = {"policy_loss_type": "regular", "loss_reduction": "token_mean", "eps_clip_low": 0.2, "eps_clip_high": 0.2,
-            "dppo_type": "binary_tv", "delta_low": 0.2, "delta_high": 0.2, "use_kl_loss": False, **_CORRECTION_OFF}
+            "dppo_type": "binary_tv", "delta_low": 0.2, "delta_high": 0.2, "use_kl_loss": False, **_LOSS_OPTIONS,
+            **_CORRECTION_OFF}
 
 
 def _with(**changes: Any) -> dict[str, Any]:
@@ -181,7 +170,7 @@ def _preset(name: str, summary: str, settings: dict[str, Any], default: bool = F
 
 
 PRESETS = (
-    _preset("default", "ℓ = −min(r·A, clip(r, 0.8, 1.2)·A), r = π/π_old; summed / response tokens; no μ "
+    _preset("default", "regular: ℓ = −min(r·A, clip(r, 0.8, 1.2)·A), r = π/π_old; summed / response tokens; no μ "
             "correction", _DEFAULT, default=True),
     _preset("token_tis", "PPO clip · min(π_old/μ, 2) per token", _with(**_TOKEN_TIS)),
     _preset("sequence_tis", "PPO clip · min(Π π_old/μ, 5) per sequence", _with(tis_ratio_type="sequence")),
@@ -197,4 +186,29 @@ PRESETS = (
             _with(policy_loss_type="dppo")),
     _preset("dppo-binary_kl", "ℓ = −M·A·π/μ, M = 0 where the binary KL(μ‖π) > 0.2 on the side A pushes",
             _with(policy_loss_type="dppo", dppo_type="binary_kl")),
+    _preset("dual_clip", "PPO clip, then min(ℓ, −3A) where A < 0", _with(policy_loss_type="dual_clip")),
+    _preset("dapo", "dual_clip with clip [0.8, 1.28] and c = 10, token_mean_legacy (the DAPO examples)",
+            _with(policy_loss_type="dual_clip", eps_clip_high=0.28, clip_ratio_c=10.0,
+                  loss_reduction="token_mean_legacy")),
+    _preset("gspo", "PPO clip on r = π/sg(π)·sg(exp(mean_t log π/π_old)); sequence_mean",
+            _with(policy_loss_type="gspo", loss_reduction="sequence_mean")),
+    _preset("sapo", "ℓ = −σ(τ(r − 1))·4/τ·A, τ = 1 (A > 0) / 1.05, r = π/π_old; sequence_mean",
+            _with(policy_loss_type="sapo", loss_reduction="sequence_mean")),
+    _preset("cispo", "ℓ = −A·sg(clip(π/π_old, 0, 5))·log π", _with(policy_loss_type="cispo")),
+    _preset("cispo-rollout", "ℓ = −A·sg(clip(π/μ, 0, 5))·log π (cispo_anchor rollout)",
+            _with(policy_loss_type="cispo", cispo_anchor="rollout")),
+    _preset("rollout_is", "ℓ = −A·sg(π/μ)·log π where π/μ ∈ (0.8, 1.2), else 0", _with(policy_loss_type="rollout_is")),
+    _preset("rollout_is-geometric_mask", "rollout_is; sequences with geometric-mean π_old/μ ∉ [0.99, 1.01] dropped "
+            "(the fully async example)", _with(policy_loss_type="rollout_is", **_GEO)),
+    _preset("clip_cov", "PPO clip; of the unclipped tokens with covariance (A − Ā)(log π − mean) in (1, 5), "
+            "max(1, 0.0002·N) drawn at random get no gradient", _with(policy_loss_type="clip_cov")),
+    _preset("kl_cov", "ℓ = −A·r, plus |log r| on the 20 % of tokens with the largest covariance "
+            "(A − Ā)(log π − mean)", _with(policy_loss_type="kl_cov")),
+    _preset("importance_sampling", "ℓ = −A·π/π_old, unclipped (Tinker's importance_sampling)",
+            _with(policy_loss_type="importance_sampling")),
+    _preset("cross_entropy", "ℓ = −log π summed over the response (SFT)", _with(policy_loss_type="cross_entropy")),
+    _preset("sequence_mean", "regular, each sequence's token mean averaged over sequences",
+            _with(loss_reduction="sequence_mean")),
+    _preset("seq_mean_token_sum_norm", "regular, summed / (B · 1536) (Dr. GRPO example: max_seq_len 512 + 1024)",
+            _with(loss_reduction="seq_mean_token_sum_norm", max_seq_len=1536)),
 )
