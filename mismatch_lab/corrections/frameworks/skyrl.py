@@ -1,25 +1,38 @@
 """SkyRL's policy losses and off-policy correction (NovaSky-AI/SkyRL @a9564572,
-skyrl/backends/skyrl_train/utils/ppo_utils.py: ppo_policy_loss, dppo_policy_loss, reduce_loss,
+skyrl/backends/skyrl_train/utils/ppo_utils.py: PolicyLossRegistry and its functions (skyrl_losses.py), reduce_loss,
 apply_loss_reduction_to_advantages_minibatch; utils/off_policy_correction_utils.py: compute_off_policy_correction
 and its parts; utils/torch_utils.py: masked_mean, safe_exp_delta; skyrl/train/config/config.py: the defaults;
-docs/content/docs/algorithms/off_policy_correction.mdx: the recommended values).
+docs/content/docs/algorithms/off_policy_correction.mdx and examples/train: the named configurations).
 
-SkyRL's token_mean folds its normaliser into the advantages, A' = A / N (N the response tokens before any
-mask), and sums the per-token loss over the final loss mask. Every ratio goes through safe_exp_delta: the log
-ratio is cast to float32, clamped to ±20 and exponentiated, then cast back — so weights carry float32 rounding.
+SkyRL folds its loss reduction into the advantages (A' below) and sums the per-token loss over the final loss
+mask: token_mean A' = A / N (N the response tokens before any mask; token_mean_legacy the same on one
+micro-batch), sequence_mean A' = A / (B·n_i), seq_mean_token_sum_norm A' = A / (B·max_seq_len). Most ratios go
+through safe_exp_delta: the log ratio is cast to float32, clamped to ±20 and exponentiated, then cast back — so
+those weights carry float32 rounding (gspo, sapo, clip_cov, kl_cov and importance_sampling exponentiate in the
+tokens' dtype).
 
-  regular  ℓ = −min(r·A', clip(r, 0.8, 1.2)·A'), r = π/π_old;
-  dppo     ℓ = −r·A'·M, r = π/μ, M = 0 where (A > 0, π − μ > δ_high) or (A < 0, μ − π > δ_low) (binary_tv), or
-           where the binary KL of μ against π exceeds δ on the side A pushes (binary_kl); δ = 0.2.
+  regular    ℓ = −min(r·A', clip(r, 0.8, 1.2)·A'), r = π/π_old;   dual_clip: then min(ℓ, −c·A') where A' < 0
+  gspo       the same on r = exp(log π − sg(log π) + sg(mean_t log π/π_old)), its log capped at 10
+  sapo       ℓ = −σ(τ(r − 1))·4/τ·A', τ = 1 where A' > 0, else 1.05
+  cispo      ℓ = −A'·sg(clip(π/π_b, 0, 5))·log π, π_b = π_old (cispo_anchor old) or μ (rollout)
+  rollout_is ℓ = −A'·sg(r·1[0.8 < r < 1.2])·log π, r = π/μ
+  dppo       ℓ = −r·A'·M, r = π/μ, M = 0 where (A > 0, π − μ > δ_high) or (A < 0, μ − π > δ_low) (binary_tv), or
+             where the binary KL of μ against π exceeds δ on the side A pushes (binary_kl); δ = 0.2
+  clip_cov   PPO's loss, with max(1, 0.0002·N) of the unclipped tokens whose covariance lies in (1, 5) drawn at
+             random and zeroed;   kl_cov: −A'·r plus |log r| on the 20 % of tokens of largest covariance
+  importance_sampling  ℓ = −A'·π/π_old;   cross_entropy: ℓ = −log π
+clip_cov, kl_cov, importance_sampling and cross_entropy apply no off-policy correction (their SkyRL functions
+do not call it). Elsewhere the correction reads w = π_old/μ: outlier tokens (w < low or > high) drop their whole
+sequence; the token mask drops tokens with w ∉ [low, high]; TIS multiplies ℓ by min(w, 2) per token or,
+`sequence`, by min(Π w, 5) per sequence (the product over the mask left so far); the sequence mask drops
+sequences whose geometric mean (over the mask left so far) ∉ [0.99, 1.01] or whose product ∉ [0.5, 2].
 
-The off-policy correction reads w = π_old/μ: outlier tokens (w < low or > high) drop their whole sequence;
-the token mask drops tokens with w ∉ [low, high]; TIS multiplies ℓ by min(w, 2) per token or, `sequence`, by
-min(Π w, 5) per sequence (the product over the mask left so far); the sequence mask drops sequences whose
-geometric mean (over the mask left so far) ∉ [0.99, 1.01] or whose product ∉ [0.5, 2].
-
-SkyRL's KL loss to π_ref (use_kl_loss, 0.001) reads a reference policy a store does not hold: it is left out.
-Result.keep is the final loss mask (and, for DPPO, M); Result.weight is the TIS factor (1 without TIS; DPPO:
-its r). Metrics under SkyRL's names: clip_ratio and, with a correction on, is_ratio_* and each filter's ratios.
+SkyRL's KL loss to π_ref (use_kl_loss, 0.001) reads a reference policy a store does not hold: it is left out,
+and so is the prompt_mean reduction (it needs prompt groups). Result.keep is the final loss mask less the tokens
+the loss itself zeroes (DPPO's M, rollout_is's out-of-band tokens, clip_cov's drawn ones); Result.weight is the
+weight on μ: the TIS factor times, for dppo, r, for rollout_is its calibrated r, for cispo on the rollout its
+clamped π/μ (1 elsewhere). Metrics under SkyRL's names: clip_ratio (importance_ratio for importance_sampling,
+plus cispo/ratio_* for cispo) and, with a correction on, is_ratio_* and each filter's ratios.
 """
 
 from __future__ import annotations
@@ -32,8 +45,10 @@ import torch
 from mismatch_lab.corrections.frameworks.base import Preset, Result, Tokens
 from mismatch_lab.corrections.frameworks.skyrl_losses import LOSSES, mean, safe_exp
 
-SOURCE = ("NovaSky-AI/SkyRL @a9564572, skyrl/backends/skyrl_train/utils/ppo_utils.py (ppo_policy_loss, "
-          "dppo_policy_loss, reduce_loss), utils/off_policy_correction_utils.py")
+SOURCE = "NovaSky-AI/SkyRL @a9564572, skyrl/backends/skyrl_train/utils/ppo_utils.py"
+"""Each preset's source names SkyRL's function for its loss after this (skyrl_losses.Loss.source)."""
+
+
 def _bounds(prefix: str, value: torch.Tensor, low: float | None, high: float | None):
     """(in-bounds, metrics) for a per-sequence value [B]: SkyRL's masked / over_high / under_low ratios."""
     over = value > high if high is not None else torch.zeros_like(value, dtype=torch.bool)
@@ -166,7 +181,10 @@ _OUTLIER = {"outlier_token_is_threshold_low": 1e-4, "outlier_token_is_threshold_
 
 
 def _preset(name: str, summary: str, settings: dict[str, Any], default: bool = False) -> Preset:
-    return Preset(f"skyrl/{name}", "skyrl", SOURCE, summary, settings, policy_loss, default)
+    loss = LOSSES[settings["policy_loss_type"]]
+    source = (f"{SOURCE} ({loss.source}, reduce_loss, apply_loss_reduction_to_advantages_minibatch)"
+              + (", utils/off_policy_correction_utils.py" if loss.corrects else ""))
+    return Preset(f"skyrl/{name}", "skyrl", source, summary, settings, policy_loss, default)
 
 
 PRESETS = (

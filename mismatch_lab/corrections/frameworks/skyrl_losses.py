@@ -168,13 +168,17 @@ def importance_sampling(t: Tokens, a: torch.Tensor, m: torch.Tensor, s: Mapping[
 @dataclass(frozen=True)
 class Loss:
     fn: Callable[[Tokens, torch.Tensor, torch.Tensor, Mapping[str, Any]], Term]
+    source: str
+    """SkyRL's function in ppo_utils.py."""
     corrects: bool
     """True where SkyRL's function calls apply_off_policy_correction."""
 
 
-LOSSES = {"regular": Loss(ppo, True), "dual_clip": Loss(ppo, True), "gspo": Loss(gspo, True),
-          "cispo": Loss(cispo, True), "clip_cov": Loss(clip_cov, False), "kl_cov": Loss(kl_cov, False),
-          "sapo": Loss(sapo, True), "cross_entropy": Loss(cross_entropy, False),
-          "importance_sampling": Loss(importance_sampling, False), "dppo": Loss(dppo, True),
-          "rollout_is": Loss(rollout_is, True)}
+LOSSES = {"regular": Loss(ppo, "ppo_policy_loss", True), "dual_clip": Loss(ppo, "ppo_policy_loss", True),
+          "gspo": Loss(gspo, "gspo_policy_loss", True), "cispo": Loss(cispo, "compute_policy_loss_cispo", True),
+          "clip_cov": Loss(clip_cov, "compute_policy_loss_clip_cov", False),
+          "kl_cov": Loss(kl_cov, "compute_policy_loss_kl_cov", False), "sapo": Loss(sapo, "sapo_policy_loss", True),
+          "cross_entropy": Loss(cross_entropy, "cross_entropy_loss", False),
+          "importance_sampling": Loss(importance_sampling, "importance_sampling_loss", False),
+          "dppo": Loss(dppo, "dppo_policy_loss", True), "rollout_is": Loss(rollout_is, "rollout_is_policy_loss", True)}
 """PolicyLossRegistry's built-in entries (policy_loss_type → function)."""
