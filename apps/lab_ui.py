@@ -355,6 +355,19 @@ def store() -> str:
     return path
 
 
+def _fetch(path: str, query_: tuple, fp: str, compute):
+    """A result the memory cache lacks: read from the disk cache, else computed and written there. A page's
+    fetch counts as page work, so the warm-up waits for it (unpickling a large table takes a core too)."""
+    thread = threading.current_thread()
+    if not isinstance(thread, _WarmUp):
+        with _PAGE_QUERIES.running():
+            return disk(path).get_or_compute(query_, fp, compute)
+    _PAGE_QUERIES.wait_quiet(thread)
+    if thread.stopping:
+        raise _Stopped
+    return disk(path).get_or_compute(query_, fp, compute)
+
+
 @st.cache_data(ttl=TTL_S, show_spinner="Querying…", max_entries=512)
 def _cached(path: str, fp: str, module: str, name: str, args: tuple, kwargs: tuple):
     """`module.name(cursor, *args, **kwargs)` on the store as of `fp`: from the disk cache, else computed and
@@ -363,7 +376,7 @@ def _cached(path: str, fp: str, module: str, name: str, args: tuple, kwargs: tup
         fn = getattr(importlib.import_module(module), name)
         return _on_store(path, lambda cur: fn(cur, *args, **dict(kwargs)), fp)
 
-    return disk(path).get_or_compute((module, name, args, kwargs), fp, compute)
+    return _fetch(path, (module, name, args, kwargs), fp, compute)
 
 
 def _call(path: str, fn, *args, **kwargs):
@@ -422,7 +435,7 @@ def _sample_at(path: str, fp: str, every: int, pair: tuple | None, module: str, 
         fn = getattr(importlib.import_module(module), name)
         return _on_store(path, lambda cur: fn(sampled(cur, every, pair), *args, **dict(kwargs)), fp)
 
-    return disk(path).get_or_compute(("sample", every, pair, module, name, args, kwargs), fp, compute)
+    return _fetch(path, ("sample", every, pair, module, name, args, kwargs), fp, compute)
 
 
 def corrections_sample_every(path: str | None = None) -> int:
@@ -538,7 +551,7 @@ def _pair_rows(path: str, rollout: str, scorer: str, fp: str | None = None) -> _
 def _volatility(path: str, fp: str, rollout: str, scorer: str, buckets: str, n_buckets: int, eps_low: float,
                 eps_high: float):
     query_ = ("volatility", rollout, scorer, buckets, n_buckets, eps_low, eps_high)
-    return disk(path).get_or_compute(query_, fp, lambda: _volatility_on_pair(
+    return _fetch(path, query_, fp, lambda: _volatility_on_pair(
         path, fp, rollout, scorer, buckets, n_buckets, eps_low, eps_high))
 
 
@@ -645,7 +658,6 @@ class _WarmUp(threading.Thread):
 
     def __init__(self, path: str):
         super().__init__(target=_warm, args=(path,), name=f"{WARM_UP_THREAD} {path}", daemon=True)
-        self.path = path
         self.stopping = False
         _WARM_UPS.add(self)
 
@@ -671,20 +683,14 @@ class _WarmUp(threading.Thread):
         return not self.is_alive()
 
 
-@st.cache_resource(ttl=TTL_S, show_spinner=False, on_release=_WarmUp.stop, max_entries=8)
-def _warm_up_at(path: str, fp: str) -> _WarmUp:
-    """Start the warm-up of one store once per TTL and fingerprint (the thread is the cached resource); the
-    warm-ups of the same store's older data are stopped."""
-    for older in list(_WARM_UPS):
-        if older.path == path:
-            older.stop()
+@st.cache_resource(ttl=TTL_S, show_spinner=False, on_release=_WarmUp.stop)
+def _warm_up(path: str) -> _WarmUp:
+    """Start the warm-up of one store once per TTL (the thread is the cached resource). Not again when a writer
+    changes the store: on a run being recorded that would redo every whole-store analysis at each refresh; the
+    pages compute what they show of the new data on demand."""
     thread = _WarmUp(path)
     thread.start()
     return thread
-
-
-def _warm_up(path: str) -> _WarmUp:
-    return _warm_up_at(path, fingerprint(path))
 
 
 def _shutdown() -> None:
@@ -697,7 +703,7 @@ def _shutdown() -> None:
         store_.shutdown()
     # Drop what the caches hold, closed cursors included: the caches outlive this handler, and DuckDB
     # objects still alive when the interpreter finalises are reported as leaks ("nanobind: leaked ...").
-    for cached in (_pair_rows, _warm_up_at, _store_at):
+    for cached in (_pair_rows, _warm_up, _store_at):
         cached.clear()
 
 

@@ -3,17 +3,23 @@
     .venv/bin/python benchmarks/bench_app_browser.py                 # every page, Parquet study
     .venv/bin/python benchmarks/bench_app_browser.py --pages corrections overview --store X
 
-For each page: a fresh `streamlit run apps/streamlit_app.py -- --study STORE` (warm-up thread on, as
-`mismatch-lab app` runs it), a fresh headless Chromium context (no cached assets), then
+First `mismatch-lab app --prepare` fills the study's results cache (mismatch_lab/store/cache.py; wall and CPU
+seconds printed), in a cache folder of its own under benchmarks/out/ (empty at start). Then for each page: a fresh
+`streamlit run apps/streamlit_app.py -- --study STORE` (warm-up thread on, as `mismatch-lab app` runs it), a
+fresh headless Chromium context (no cached assets), then
 
     first    the page's URL opened as the first page of the session, until the page shows its last
              element and Streamlit no longer runs the script (what a user who opens that page waits);
     reload   the same page reloaded (a new session on the same server: caches filled).
 
-Then one more server for a `tour`: every page in turn in one session, each its first visit after the
-overview (the warm-up thread has had the overview's time to run ahead). Prints the CPU model and the
-load average; writes benchmarks/out/bench_app_browser.json. Needs /usr/bin/chromium and Playwright
-(as tests/app/test_app_browser.py).
+Each with the server's CPU seconds over that load (user + system, /proc/PID/stat): the machine is shared, so
+wall seconds say more about the load than about the app. `--cold` also runs every page without any disk cache
+(MISMATCH_LAB_CACHE=0: everything computed on first demand). Then one more server for a `tour`: every page in
+turn in one session. Last, the `refresh` figure: a Recorder writes a run of M steps into a shard store, the
+Training page is loaded (every step computed), N more steps are written, the page is reloaded (only the new
+steps computed): wall and server CPU of the refresh against the full load, in the same run.
+Prints the CPU model and the load average; writes benchmarks/out/bench_app_browser.json. Needs
+/usr/bin/chromium and Playwright (as tests/app/test_app_browser.py).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -60,14 +67,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve(store: Path, log: Path) -> tuple[subprocess.Popen, str]:
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process so far (/proc/PID/stat fields 14 and 15, in clock ticks)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def serve(store: Path, log: Path, env: dict | None = None) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [sys.executable, "-m", "streamlit", "run", str(APP), "--server.headless", "true", "--server.port",
            str(port), "--server.address", "127.0.0.1", "--browser.gatherUsageStats", "false",
            "--server.fileWatcherType", "none", "--", "--study", str(store)]
     with open(log, "ab") as out:  # the child keeps its own descriptor
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
-                                env=dict(os.environ, MISMATCH_LAB_APP_WARMUP="1"))
+                                env=dict(os.environ, MISMATCH_LAB_APP_WARMUP="1", **(env or {})))
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and proc.poll() is None:
@@ -92,15 +105,80 @@ def settle(page, text: str) -> None:
         raise SystemExit(f"the page raised: {boxes.first.inner_text()[:1000]}")
 
 
-def load(page, url: str, name: str, *, reload: bool = False) -> float:
+def load(page, url: str, name: str, *, reload: bool = False, pid: int | None = None) -> tuple[float, float]:
+    """(wall seconds, server CPU seconds) of one load of a page."""
     path, text = PAGES[name]
-    t0 = time.perf_counter()
+    c0, t0 = cpu_seconds(pid) if pid else 0.0, time.perf_counter()
     if reload:
         page.reload()
     else:
         page.goto(f"{url}/{path}")
     settle(page, text)
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, (cpu_seconds(pid) - c0 if pid else float("nan"))
+
+
+def prepare(store: Path, env: dict) -> dict:
+    """`mismatch-lab app --prepare` into the (empty) cache folder of `env`: wall and CPU seconds."""
+    r0, t0 = os.times(), time.perf_counter()
+    subprocess.run([str(Path(sys.executable).with_name("mismatch-lab")), "app", "--prepare", "--study", str(store)],
+                   check=True, cwd=REPO, env=dict(os.environ, **env), stdout=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL)
+    r1 = os.times()
+    return {"wall_s": time.perf_counter() - t0, "cpu_s": r1.children_user + r1.children_system
+            - r0.children_user - r0.children_system}
+
+
+def pages(browser, store: Path, names: list[str], log: Path, env: dict, label: str) -> dict:
+    """Per page on a fresh server and browser context: the first load and a reload, wall and server CPU."""
+    out = {}
+    for name in names:
+        proc, url = serve(store, log, env)
+        try:
+            page = browser.new_context(viewport={"width": 1400, "height": 1000}).new_page()
+            first, first_cpu = load(page, url, name, pid=proc.pid)
+            again, again_cpu = load(page, url, name, reload=True, pid=proc.pid)
+        finally:
+            stop(proc)
+        out[name] = {"first_s": first, "first_cpu_s": first_cpu, "reload_s": again, "reload_cpu_s": again_cpu}
+        print(f"{label:8s} {name:12s} first {first:6.2f} s (server CPU {first_cpu:5.2f} s)   "
+              f"reload {again:6.2f} s (CPU {again_cpu:5.2f} s)", flush=True)
+    return out
+
+
+def _log_steps(rec, steps: range, batch: int, length: int) -> None:
+    import numpy as np
+
+    for step in steps:
+        rng = np.random.default_rng(step)
+        lmu = -rng.exponential(1.0, (batch, length))
+        lpi = np.minimum(lmu + rng.normal(0, 0.05, (batch, length)), 0.0)
+        rec.log_step(step, rng.integers(0, 49_000, (batch, length)), np.ones((batch, length), bool), lmu, lpi,
+                     rewards=rng.normal(size=batch))
+
+
+def refresh(browser, folder: Path, log: Path, env: dict, m: int, n: int, tokens: int) -> dict:
+    """The Training page of a recorded run of m steps (`tokens` in all), then reloaded after n new steps."""
+    from mismatch_lab.record import Recorder
+
+    shutil.rmtree(folder, ignore_errors=True)
+    batch, length = 16, max(1, tokens // (m * 16))
+    with Recorder(folder, "live", framework="verl", rollout_engine="vllm", rollout_dtype="bf16") as rec:
+        _log_steps(rec, range(m), batch, length)
+        proc, url = serve(folder, log, env)
+        try:
+            page = browser.new_context(viewport={"width": 1400, "height": 1000}).new_page()
+            full, full_cpu = load(page, url, "training", pid=proc.pid)
+            _log_steps(rec, range(m, m + n), batch, length)
+            time.sleep(1.0)  # past the page's fingerprint memo (lab_ui.FINGERPRINT_S)
+            new, new_cpu = load(page, url, "training", reload=True, pid=proc.pid)
+        finally:
+            stop(proc)
+    out = {"m_steps": m, "n_new": n, "tokens": m * batch * length, "full_s": full, "full_cpu_s": full_cpu,
+           "refresh_s": new, "refresh_cpu_s": new_cpu, "ratio_wall": new / full, "ratio_cpu": new_cpu / full_cpu}
+    print(f"refresh after {n} new steps of a run of {m} steps ({out['tokens']:,} tokens): {new:.2f} s "
+          f"(server CPU {new_cpu:.2f} s) against a full load {full:.2f} s (CPU {full_cpu:.2f} s): ratio "
+          f"{out['ratio_wall']:.2f} wall, {out['ratio_cpu']:.2f} CPU", flush=True)
+    return out
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -118,34 +196,39 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--store", type=Path, default=OUT / "app-1000000", help="the study (bench_app.py builds it)")
     parser.add_argument("--pages", nargs="+", choices=list(PAGES), default=list(PAGES))
     parser.add_argument("--no-tour", action="store_true")
+    parser.add_argument("--cold", action="store_true", help="also every page without a disk cache")
+    parser.add_argument("--refresh", nargs=2, type=int, default=[200, 5], metavar=("M", "N"),
+                        help="the refresh figure: a run of M steps, then N new ones (0 0: skip)")
     args = parser.parse_args(argv)
     if not args.store.exists():
         raise SystemExit(f"{args.store} missing: run benchmarks/bench_app.py once to build it")
     OUT.mkdir(parents=True, exist_ok=True)
     log = OUT / "bench_app_browser.log"
     log.write_bytes(b"")
-    load0, report = os.getloadavg(), {"pages": {}, "tour": {}}
+    cached = {"MISMATCH_LAB_CACHE": str(OUT / "app-results-cache")}
+    shutil.rmtree(cached["MISMATCH_LAB_CACHE"], ignore_errors=True)
+    load0, report = os.getloadavg(), {}
+    report["prepare"] = prepare(args.store, cached)
+    print(f"prepare: {report['prepare']['wall_s']:.1f} s, CPU {report['prepare']['cpu_s']:.1f} s", flush=True)
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=FLAGS)
-        for name in args.pages:
-            proc, url = serve(args.store, log)
-            try:
-                page = browser.new_context(viewport={"width": 1400, "height": 1000}).new_page()
-                first = load(page, url, name)
-                again = load(page, url, name, reload=True)
-            finally:
-                stop(proc)
-            report["pages"][name] = {"first_s": first, "reload_s": again}
-            print(f"{name:12s} first {first:6.2f} s   reload {again:6.2f} s", flush=True)
+        report["pages"] = pages(browser, args.store, args.pages, log, cached, "cached")
+        if args.cold:
+            report["cold"] = pages(browser, args.store, args.pages, log, {"MISMATCH_LAB_CACHE": "0"}, "cold")
         if not args.no_tour:
-            proc, url = serve(args.store, log)
+            report["tour"] = {}
+            proc, url = serve(args.store, log, cached)
             try:
                 page = browser.new_context(viewport={"width": 1400, "height": 1000}).new_page()
                 for name in PAGES:
-                    report["tour"][name] = load(page, url, name)
-                    print(f"tour {name:12s} {report['tour'][name]:6.2f} s", flush=True)
+                    report["tour"][name] = load(page, url, name, pid=proc.pid)
+                    print(f"tour {name:12s} {report['tour'][name][0]:6.2f} s (CPU {report['tour'][name][1]:5.2f} s)",
+                          flush=True)
             finally:
                 stop(proc)
+        if args.refresh[0]:
+            report["refresh"] = refresh(browser, OUT / "app-live-store", log, cached, *args.refresh,
+                                        tokens=1_000_000)
         browser.close()
     load1 = os.getloadavg()
     report |= {"cpu": cpu_model(), "cores": os.cpu_count(), "load": [load0[0], load1[0]], "store": str(args.store),
