@@ -134,3 +134,10 @@ def test_nemo_rl_force_on_policy_ratio_weights_by_pi_over_mu_and_logs_zero_seque
     assert ours.keep.tolist() == [[False, False], [True, False]]
     assert rel_close(ours.metrics["probs_ratio"], 3 / (3 + 1e-8)) and ours.metrics["max_seq_mult_prob_error"] == 0.0
     assert rel_close(ours.metrics["token_mult_prob_error"], (math.exp(0.5) + 1 + 1) / (3 + 1e-8))
+
+
+def test_the_corrections_docs_table_has_a_row_for_each_of_these_presets():
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "corrections.md").read_text()
+    assert [p.name for p in PRESETS if f"| `{p.name}`" not in text] == []

@@ -124,3 +124,10 @@ def test_skyrl_rollout_is_keeps_only_tokens_strictly_inside_its_band_weighted_by
     assert ours.keep.tolist() == [[True, False, True]]
     w = [torch.tensor(x, dtype=torch.float64).float().exp().item() for x in (-1.0 + 1.1, 0.0, -1.0 + 0.9)]
     torch.testing.assert_close(ours.weight, torch.tensor([[w[0], 0.0, w[2]]], dtype=torch.float64), rtol=0, atol=0)
+
+
+def test_the_corrections_docs_table_has_a_row_for_each_of_these_presets():
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "corrections.md").read_text()
+    assert [p.name for p in PRESETS if f"| `{p.name}`" not in text] == []
