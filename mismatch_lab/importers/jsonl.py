@@ -17,6 +17,7 @@
 | rollout_topk_ids   | list (per token) of lists of ids      | no       | the rollout engine's top-K token ids at each position          |
 | rollout_topk_logps | list (per token) of lists of numbers  | no       | their log-probs; same shape as rollout_topk_ids (both or neither) |
 | rank               | integer in [0, 4096)                  | no       | the writer (data-parallel rank); default 0                     |
+| policy_lag         | integer in [0, 2^31), or a list of them (per token) | no | optimizer updates between the weights that sampled the sequence and those of logp_trainer (sequences.policy_lag); a per-token list must hold one value over the stored positions |
 
 Other fields are ignored. null, NaN and +-Infinity in log-probs are stored as NULL with nonfinite = true; a
 log-prob above 0 (beyond the rounding allowance `record.flat.LOGP_TOLERANCE`) at a stored position refuses the
@@ -58,6 +59,10 @@ HELP = "mismatch-lab's own JSON-lines format, one sequence a line (docs/import.m
 EXPECTED = "a .jsonl file, or a folder holding .jsonl files (not its subfolders), one sequence a line (docs/import.md)"
 PYTHON_BATCH = 5000  # lines per batch on the line-by-line path
 STEP_TEXT = f"field 'step' must be an integer in {INT_RANGE}"
+LAG_TEXT = (f"field 'policy_lag' must be an integer in {INT_RANGE} (optimizer updates between the sampling weights "
+            "and the trainer's), or a list of them, one per token")
+LAG_MIXED = ("field 'policy_lag' differs between the stored tokens of the line: the store keeps one lag per sequence "
+             "(sequences.policy_lag); split the sequence where its lag changes, or give one number")
 
 _F = pa.list_(pa.float64())
 _I = pa.list_(pa.int64())
@@ -65,7 +70,7 @@ CANONICAL = pa.schema([
     ("step", pa.int64()), ("rank", pa.int64()), ("token_ids", _I), ("logp_rollout", _F), ("logp_trainer", _F),
     ("mask", pa.list_(pa.bool_())), ("adv_tok", _F), ("adv_seq", pa.float64()), ("reward", pa.float64()),
     ("prompt_id", pa.string()), ("entropy", _F), ("rollout_topk_ids", pa.list_(_I)),
-    ("rollout_topk_logps", pa.list_(_F)),
+    ("rollout_topk_logps", pa.list_(_F)), ("policy_lag", pa.int64()),
 ])  # fmt: skip
 """What each path turns the file into: `advantage` split by its form (per token / per sequence)."""
 PER_POSITION = {"logp_rollout": True, "logp_trainer": True, "mask": False, "adv_tok": False, "entropy": False,
@@ -118,6 +123,8 @@ def _batches(path: Path, row0: int, batch: pa.RecordBatch):
     p.add((s < 0) | (s >= STEP_END), STEP_TEXT)
     r = pc.fill_null(batch.column("rank"), 0).to_numpy()
     p.add((r < 0) | (r >= MAX_RANKS), f"field 'rank' must be an integer in [0, {MAX_RANKS})")
+    lag = pc.fill_null(batch.column("policy_lag"), 0).to_numpy()
+    p.add((lag < 0) | (lag >= STEP_END), LAG_TEXT)
     token_ids = batch.column("token_ids")
     n = lengths(token_ids)
     p.add(n < 0, "field 'token_ids' is missing (or null)")
@@ -209,7 +216,13 @@ def _flat(batch: pa.RecordBatch, row_len: np.ndarray, step: int, rank: int) -> F
         prompt_id=None if is_all_null(prompt) else np.array(prompt.to_pylist(), dtype=object),
         topk_ids=None if is_all_null(topk) else _per_token_lists(topk, row_len),
         topk_logps=None if is_all_null(topk) else _per_token_lists(batch.column("rollout_topk_logps"), row_len),
+        extra=_lag_column(batch.column("policy_lag")),
     )  # fmt: skip
+
+
+def _lag_column(lag: pa.Array) -> dict[str, pa.Array]:
+    """{'policy_lag': [S] int32} for sequences.policy_lag; {} when no line of the batch gives one."""
+    return {} if is_all_null(lag) else {"policy_lag": lag.cast(pa.int32())}
 
 
 # -- the line-by-line path ----------------------------------------------------------------------------
@@ -279,10 +292,30 @@ def _normalize(obj: dict) -> dict | str:
                 return f"field {name!r} has a different length than token_ids (misaligned)"
         if any(len(a) != len(b) for a, b in zip(ids, lps)):
             return "rollout_topk_ids and rollout_topk_logps have different shapes"
+    lag = _lag(obj.get("policy_lag"), mask, n)
+    if isinstance(lag, str):
+        return lag
     return {"step": step, "rank": rank, "token_ids": obj["token_ids"], "logp_rollout": obj["logp_rollout"],
             "logp_trainer": obj["logp_trainer"], "mask": mask, "adv_tok": adv_tok, "adv_seq": adv_seq,
             "reward": reward, "prompt_id": None if prompt is None else str(prompt), "entropy": obj.get("entropy"),
-            "rollout_topk_ids": ids, "rollout_topk_logps": lps}  # fmt: skip
+            "rollout_topk_ids": ids, "rollout_topk_logps": lps, "policy_lag": lag}  # fmt: skip
+
+
+def _lag(value, mask: list[bool] | None, n: int) -> int | None | str:
+    """The sequence's policy lag from a number or a per-token list (one value over the stored positions), or
+    the problem with it."""
+    if value is None:
+        return None
+    if isinstance(value, list):
+        if len(value) != n:
+            return "field 'policy_lag' has a different length than token_ids (misaligned)"
+        if not all(_integer(v) and 0 <= v < STEP_END for v in value):
+            return LAG_TEXT
+        kept = {v for v, m in zip(value, mask or [True] * n) if m}
+        if len(kept) > 1:
+            return LAG_MIXED
+        return kept.pop() if kept else None
+    return value if _integer(value) and 0 <= value < STEP_END else LAG_TEXT
 
 
 def _python_batches(path: Path):
