@@ -34,6 +34,8 @@ _HELP = {
     "db": "DuckDB file (default: studies/<name>/<name>.duckdb with --study, else runs/train.duckdb)",
     "out": "checkpoint directory (default runs/, git-ignored)",
     "minibatches": "optimizer steps per rollout batch (default 1: on-policy up to the mismatch)",
+    "policy_lag": "sample with the weights of N optimizer updates ago, a run of known staleness; each sequence "
+                  "records its lag (sequences.policy_lag; analyze's staleness table) (default 0)",
     "preset": "named recipe: none (default), dr_grpo (no std normalisation, constant normaliser = max tokens), "
               "dapo (dynamic sampling, eps-high 0.28, token-mean, overlong cache = max tokens / 5); or a framework "
               "preset, e.g. verl/decoupled_geo_rs: that framework's own loss replaces --loss (`mismatch-lab "

@@ -14,10 +14,13 @@ One step (`step` = 1 … `steps`):
     5. update     `policy_loss` -> backward -> grad clip -> AdamW, once per mini-batch (`minibatches`)
     6. rescore    no-grad forward on the same tokens: `bad_update_metrics` against μ (the paper's definition)
     7. sync       `engine.load_state_dict(model.state_dict())` (reload_weights + reset_prefix_cache, with
-                  lm_head.weight) so the next rollout samples from the updated policy
+                  lm_head.weight) so the next rollout samples from the updated policy; with `policy_lag` N > 0
+                  the weights of N updates ago instead (`LaggedSync`), so step s samples with the weights of
+                  update max(s − 1 − N, 0) and π is N updates (fewer in the first N steps) newer than μ
     8. write      the step's sequences / tokens / scores, built by the Recorder's row builder
                   (record.tables.step_tables; scorer 'hf:<trainer dtype>', π *before* the
-                  update, i.e. what the loss saw) and its `train_metrics` rows in ONE `write_chunk` call with
+                  update, i.e. what the loss saw; `sequences.policy_lag` = the updates between the engine's
+                  weights and π's) and its `train_metrics` rows in ONE `write_chunk` call with
                   chunk = step: a step is in the store entirely or not at all.
 
 Resume: every `checkpoint_every` steps (and after the last) model + optimizer + step + RNG states go to
@@ -25,7 +28,9 @@ Resume: every `checkpoint_every` steps (and after the last) model + optimizer + 
 the store). Re-running the same command loads the checkpoint, deletes the store's rows of steps after
 it (they were trained from weights the checkpoint does not hold) and redoes them. Rollouts use
 per-request seeds derived from (seed, step, prompt, sample), so redone steps sample what the
-uninterrupted run would have sampled from the same weights.
+uninterrupted run would have sampled from the same weights. The checkpoint holds the newest weights only:
+a resumed run with `policy_lag` > 0 restarts the engine on them, so its lag grows back from 0 (the stored
+`policy_lag` of each step says what it was).
 """
 
 from __future__ import annotations
@@ -48,7 +53,7 @@ LOSS_FIELDS = ("eps_low", "eps_high", "delta", "is_cap", "tis_cap", "cispo_eps_l
 # fields added after runs were stored: left out of the run id at their default, so stored runs keep their ids
 _IN_RUN_ID_UNLESS_DEFAULT = ("gspo_eps_low", "gspo_eps_high", "gmpo_eps", "correction", "correction_args", "preset",
                              "dynamic_sampling", "max_rounds", "overlong_cache", "overlong_max", "rollout_weights",
-                             "split_scorer", "leave_one_out")
+                             "split_scorer", "leave_one_out", "policy_lag")
 # fields that do not change what a run computes: excluded from the run id, so `--steps 20` extends a run of 10
 _NOT_IN_RUN_ID = ("steps", "db", "out", "checkpoint_every", "study", "kv_cache_mb")
 
@@ -81,6 +86,8 @@ class TrainConfig:
     # bf16 / fp16 / fp8: also score each step's tokens on the trainer weights rounded to that grid, computed in fp32,
     # and log mismatch/weight_rounding/* (weight rounding alone; docs/rl.md). Off by default
     split_scorer: str = "none"
+    # sample with the weights of N optimizer updates ago (a run of known staleness; 0: push after every update)
+    policy_lag: int = 0
     checkpoint_every: int = 4
     db: str = "runs/train.duckdb"
     out: str = "runs"  # checkpoints go to <out>/<run_id>/checkpoint.pt (runs/ is git-ignored)
@@ -177,6 +184,9 @@ class TrainConfig:
                      "max_rounds"):
             if getattr(self, name) < 1:
                 raise UserError(f"--{name.replace('_', '-')} must be at least 1")
+        if not 0 <= self.policy_lag <= self.steps:
+            raise UserError(f"--policy-lag {self.policy_lag} must be in 0..--steps ({self.steps}): the optimizer "
+                            "updates the rollout engine's weights lag behind the trainer's")
         if self.samples_per_prompt < 2:
             raise UserError("--samples-per-prompt must be at least 2: the advantage baseline is the group mean")
         if (self.prompts_per_step * self.samples_per_prompt) % self.minibatches:
@@ -430,12 +440,13 @@ def run_step(cfg: TrainConfig, ctx: dict, step: int) -> dict[str, float]:
     with parts.timed(times, "rescore"):
         bad = parts.rescore(ctx["model"], batch, scored.logp_before, trainer_dtype=cfg.trainer_dtype,
                             delta=cfg.bad_update_delta)
+    lag = ctx["sync"].lag(step)  # of this step's rollout, before the sync below moves the engine on
     with parts.timed(times, "sync"):
-        sync_weights(ctx["engine"], ctx["model"], cfg.rollout_weights)
+        ctx["sync"].after_update(step)
     times["time/step/seconds"] = time.perf_counter() - t_step
-    metrics = parts.step_metrics(batch, scored, bad, times, lr=cfg.lr) | split
+    metrics = parts.step_metrics(batch, scored, bad, times, lr=cfg.lr) | split | {"policy_lag/value": float(lag)}
     parts.write_step(ctx["writer"], ctx["run_id"], step, batch, scored, metrics, scorer=ctx["scorer"],
-                     texts=ctx["texts"], seconds=time.perf_counter() - t_step)
+                     texts=ctx["texts"], seconds=time.perf_counter() - t_step, policy_lag=lag)
     return metrics
 
 
@@ -496,6 +507,7 @@ def _train_in(cfg: TrainConfig, writer, run_id: str, tokenizer, model_ctx, model
                "writer": writer, "run_id": run_id, "scorer": f"hf:{cfg.trainer_dtype}", "texts": TextLookup(tokenizer)}
         if start or cfg.rollout_weights != "none":
             sync_weights(engine, model, cfg.rollout_weights)  # the checkpoint's (or rounded) weights, not the base
+        ctx["sync"] = LaggedSync(engine, model, cfg.rollout_weights, cfg.policy_lag, version=start)
         _start_run(cfg, writer, run_id, model_path, engine, ctx["scorer"])
         for step in range(start + 1, cfg.steps + 1):
             metrics = run_step(cfg, ctx, step)
@@ -514,11 +526,45 @@ def _train_in(cfg: TrainConfig, writer, run_id: str, tokenizer, model_ctx, model
     return run_id
 
 
-def sync_weights(engine, model, rollout_weights: str = "none") -> None:
-    """The trainer's weights into the engine, rounded as `rollout_weights` says (the trainer keeps its own)."""
+def sync_weights(engine, model, rollout_weights: str = "none", state=None) -> None:
+    """The trainer's weights (or `state`, a copy of them) into the engine, rounded as `rollout_weights` says
+    (the trainer keeps its own)."""
     from functools import partial
 
     from mismatch_lab.engines.weights import round_state
-    from mismatch_lab.rl.step import sync_weights as push
+    from mismatch_lab.rl.step import push_state
 
-    push(engine, model, None if rollout_weights == "none" else partial(round_state, kind=rollout_weights))
+    transform = None if rollout_weights == "none" else partial(round_state, kind=rollout_weights)
+    push_state(engine, model.state_dict() if state is None else state, transform)
+
+
+class LaggedSync:
+    """The weight push of `train --policy-lag N`: after update s the engine gets the weights of update s − N
+    (kept as CPU copies of the last N versions), so the rollout of step s + 1 samples N updates behind the
+    trainer; N = 0 pushes every update. `version` = the update the engine holds at the start (0, or the
+    resumed checkpoint's step)."""
+
+    def __init__(self, engine, model, rollout_weights: str, lag: int, *, version: int = 0):
+        from collections import deque
+
+        self.engine, self.model, self.rollout_weights, self.n = engine, model, rollout_weights, lag
+        self.version = version
+        self.kept = deque()  # (update, state dict copy), oldest first
+
+    def lag(self, step: int) -> int:
+        """The lag of step `step`'s rollout: π is at update step − 1, μ at the engine's."""
+        return step - 1 - self.version
+
+    def after_update(self, step: int) -> None:
+        """The trainer is now at update `step`: push the update `step` − N (if newer than the engine's)."""
+        if self.n == 0:
+            sync_weights(self.engine, self.model, self.rollout_weights)
+            self.version = step
+            return
+        self.kept.append((step, {k: v.detach().clone() for k, v in self.model.state_dict().items()}))
+        due = None
+        while self.kept and self.kept[0][0] <= step - self.n:
+            due = self.kept.popleft()
+        if due is not None and due[0] > self.version:
+            sync_weights(self.engine, self.model, self.rollout_weights, state=due[1])
+            self.version = due[0]

@@ -267,7 +267,11 @@ def weight_rounding_metrics(model, batch: Batch, kind: str, cache: dict | None =
 
 def sync_weights(engine, model, transform=None) -> None:
     """Push the trainer's weights into the rollout engine (through `transform`, e.g. fp8 rounding)."""
-    state = model.state_dict()
+    push_state(engine, model.state_dict(), transform)
+
+
+def push_state(engine, state: dict, transform=None) -> None:
+    """Push a state dict (the trainer's, or a kept copy of an earlier update) into the rollout engine."""
     engine.load_state_dict(transform(state) if transform is not None else state)
 
 
@@ -329,9 +333,10 @@ def step_metrics(batch: Batch, scored: Scored, bad: dict, times: dict, *, lr: fl
 
 
 def write_step(writer, run_id: str, step: int, batch: Batch, scored: Scored, metrics: dict, *, scorer: str,
-               texts, seconds: float) -> None:
+               texts, seconds: float, policy_lag: int | None = None) -> None:
     """The step's sequences / tokens / scores (the Recorder's row builder; scorer 'hf:<dtype>' = π before the
-    update) and its metrics in ONE write_chunk call with chunk = step: in the store entirely or not at all."""
+    update; `policy_lag` on every sequence when given) and its metrics in ONE write_chunk call with chunk = step:
+    in the store entirely or not at all."""
     import numpy as np
 
     from mismatch_lab.record.tables import step_tables
@@ -339,6 +344,8 @@ def write_step(writer, run_id: str, step: int, batch: Batch, scored: Scored, met
 
     arrays = step_arrays(batch.samples, batch.seq_rows, batch.logp_mu, scored.logp_before, scored.entropy, batch.mask,
                          batch.adv, batch.rewards)
+    if policy_lag is not None:
+        arrays.sequence_columns["policy_lag"] = [int(policy_lag)] * len(batch.seq_rows)
     tables = step_tables(run_id, step, np.array([r["seq_id"] for r in batch.seq_rows], dtype=np.int64), arrays,
                          scorer, texts=texts)
     writer.write_chunk(run_id, step, sequences=tables["sequences"], tokens=tables["tokens"], scores=tables["scores"],
