@@ -2,9 +2,10 @@
 
 Pages call `store()` for the open store's path (it stops the page with a plain message when there is
 none) and `query(fn, ...)` to run a `mismatch_lab.analysis` function on it through the cache; they
-never write SQL. The connection is a `st.cache_resource` (one per store path); query results are
-`st.cache_data`; both expire after TTL_S, so a store that `collect` is still writing is re-read (a
-fresh snapshot) at most that long after, or at once with *Reload data*. Each query runs on its own
+never write SQL. The connection is a `st.cache_resource` (one per store path and fingerprint); query results
+are `st.cache_data`, backed by the results cache on disk (`mismatch_lab.store.cache`); every cache is keyed by
+the store's fingerprint (its files' sizes and times), so a store that a writer changes is re-read at the next
+page run, and nothing computed is shown for data that changed. Each query runs on its own
 cursor, because Streamlit serves every browser session from its own thread and one DuckDB connection
 must not be shared across threads.
 
@@ -64,7 +65,7 @@ from mismatch_lab.store.shards import is_shard_store
 APP_DIR = Path(__file__).resolve().parent
 REPO = APP_DIR.parent
 ENV_VAR = "MISMATCH_LAB_STUDY"  # set by `mismatch-lab app --study ...`; `-- --study ...` works too
-TTL_S = 600  # a store is re-read (a new snapshot if a writer holds it) at most this long after it changed
+TTL_S = 600  # what the memory caches keep at most this long (a changed store is re-read at once: `fingerprint`)
 WORST_N = 50  # the inspector's list of worst sequences
 TOP_CLIPPED_MAX = 100  # the Clipping page's longest list of token strings (one query serves every shorter one)
 WARM_UP_THREAD = "mismatch-lab warm-up"  # the warm-up threads' name prefix
@@ -120,9 +121,11 @@ def sidebar_store_picker() -> None:
         help="A study folder (its results/ Parquet), a .duckdb file, a Parquet folder, or the shard store of "
         "recorded / imported runs.",
     )
-    if st.sidebar.button("Reload data", help=f"Data is re-read by itself {TTL_S // 60} min after it was read."):
+    if st.sidebar.button("Reload data", help="Data is re-read by itself as soon as a file of the store changes; "
+                         "this empties the caches in memory (the results cache on disk is keyed by the data)."):
         st.cache_data.clear()
         st.cache_resource.clear()
+        _DISK.clear()  # (the disk cache itself stays: it is keyed by the data, which is read again)
 
 
 class StoreClosed(RuntimeError):
@@ -401,18 +404,19 @@ def precision_of(path: str | None = None):
 
 def corrections_of(path: str | None = None):
     """The Corrections page's tables: every method of the registry on every pair, published defaults."""
-    from mismatch_lab.corrections.compare import compare
     from mismatch_lab.corrections.layout import pair_info
 
     if _call(path or store(), pair_info).empty:
         return None
-    tables = _call(path or store(), compare, overrides=None)
+    tables = _call_named(path or store(), COMPARE, "compare", overrides=None)
     _EXACT_DONE[(path or store(), fingerprint(path or store()), ())] = time.monotonic()  # the page shows it now on
     return tables
 
 
 # --- the Corrections page on a sample of a large store ---------------------------------------------------
 
+COMPARE = "mismatch_lab.corrections.compare"
+"""The comparison's module, named rather than imported where a cached result may serve: it imports torch."""
 CORRECTIONS_SAMPLE_TOKENS = SAMPLE_TOKENS
 """A store with more tokens than this opens the Corrections page on a sample of its prompt groups (about
 this many tokens, analysis/sample.py) until the comparison of every token is cached (the warm-up's last step,
@@ -445,22 +449,32 @@ def corrections_sample_every(path: str | None = None) -> int:
 
 def _exact_tables(path: str, overrides):
     """Every method on every token of the store (cached), or None when it has no (rollout, scorer) pair."""
-    from mismatch_lab.corrections.compare import compare
     from mismatch_lab.corrections.layout import pair_info
 
     if overrides and _call(path, pair_info).empty:
         return None
-    tables = _call(path, compare, overrides=overrides) if overrides else corrections_of(path)
+    tables = _call_named(path, COMPARE, "compare", overrides=overrides) if overrides else corrections_of(path)
     if tables is not None:
         _EXACT_DONE[(path, fingerprint(path), _frozen(overrides))] = time.monotonic()
     return tables
 
 
+def method_defaults() -> pd.DataFrame:
+    """(method, parameter, default) of every compared method at its published defaults, from the results cache
+    keyed by the package's sources: the registry imports torch (its rules), which a page showing cached tables
+    does not otherwise need (~1.5 s of a first load)."""
+    def compute():
+        from mismatch_lab.corrections.compare import variants
+
+        return pd.DataFrame([{"method": v.label, "parameter": k, "default": x}
+                             for v in variants() for k, x in v.params.items()])
+
+    return disk(store()).get_or_compute(("corrections.method_defaults",), cache.code_fingerprint(), compute)
+
+
 def _exact_on_disk(path: str) -> bool:
     """Whether the comparison of every token at the published defaults is in the store's disk cache."""
-    from mismatch_lab.corrections.compare import compare
-
-    return disk(path).has((compare.__module__, compare.__name__, (), (("overrides", None),)), fingerprint(path))
+    return disk(path).has((COMPARE, "compare", (), (("overrides", None),)), fingerprint(path))
 
 
 def corrections_pairs(overrides=None, exact: bool = False):
@@ -490,12 +504,10 @@ def corrections_pairs(overrides=None, exact: bool = False):
 def corrections_tables(overrides, rollout: str, scorer: str, sample: dict | None):
     """The comparison's tables holding the pair (rollout, scorer): of every token (sample None: every pair),
     or of the sample (that pair only)."""
-    from mismatch_lab.corrections.compare import compare
-
     if sample is None:
         return _exact_tables(store(), overrides)
     kwargs = (("overrides", overrides or None),)
-    return _cached_sample(store(), sample["every"], (rollout, scorer), compare.__module__, "compare", (), kwargs)
+    return _cached_sample(store(), sample["every"], (rollout, scorer), COMPARE, "compare", (), kwargs)
 
 
 def dropped_tokens_of(method: str, rollout: str, scorer: str, overrides, sample: dict | None):

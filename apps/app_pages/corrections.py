@@ -16,7 +16,6 @@ import streamlit as st
 
 from mismatch_lab.analysis import definitions
 from mismatch_lab.corrections.command import parse_overrides
-from mismatch_lab.corrections.compare import variants
 from mismatch_lab.corrections.dropped import dropped_sequences
 from mismatch_lab.corrections.report import TOKEN_SUMS, rates
 from mismatch_lab.errors import UserError
@@ -91,12 +90,12 @@ with st.expander("Threshold overrides"):
             help="the same as `mismatch-lab corrections --set`; empty: the published defaults",
         )
         st.form_submit_button("Apply")
-    defaults = pd.DataFrame(
-        [{"method": v.label, "parameter": k, "default": x} for v in variants() for k, x in v.params.items()]
-    )
-    st.dataframe(defaults, hide_index=True)
+    st.dataframe(lab_ui.method_defaults(), hide_index=True)
 items = [s for s in (text or "").replace(";", ",").split(",") if s.strip()]
 if items:
+    # imported here, not at the top: it imports torch (its rules), which only checking overrides needs
+    from mismatch_lab.corrections.compare import variants
+
     try:
         overrides = parse_overrides([s.strip().replace(" ", "") for s in items])
         variants(overrides)  # unknown method or parameter, bad threshold: say so before computing

@@ -58,10 +58,8 @@ st.dataframe(
     },
 )
 if runs["status"].eq("running").any():
-    st.caption(
-        f"Some runs are still running: the counts grow when the data is re-read (after "
-        f"{lab_ui.TTL_S // 60} min, or at once with *Reload data*)."
-    )
+    st.caption("Some runs are still running: refresh the page (or use any control) to see what they wrote since; "
+               "what was computed of finished data is kept and reused.")
 
 st.subheader("Precision table")
 st.caption(
