@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     if args.top_n < 1:
         raise UserError(f"--top-n must be at least 1, got {args.top_n}")
     json_path = json_output(args.json, "analysis.json")
-    con = open_store(args.db)
+    con = open_store(args.db, run_ids=args.run_ids)  # a run asked for by name must be whole
     try:
         t0 = time.perf_counter()
 

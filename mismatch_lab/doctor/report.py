@@ -53,6 +53,7 @@ class Diagnosis:
     failed: list[dict] = field(default_factory=list)
     exit_code: int = 0
     attribution: list[dict] = field(default_factory=list)
+    incomplete: dict[str, list[str]] = field(default_factory=dict)  # pair -> damaged shards its runs were read without
 
 
 def diagnose(con: duckdb.DuckDBPyConnection, store: str = "", gate: str | None = None, *,
@@ -65,8 +66,28 @@ def diagnose(con: duckdb.DuckDBPyConnection, store: str = "", gate: str | None =
         rows, missing = run_checks(m)
         advice = [a | {"source": A.RULE_SOURCE.get(a["rule"])} for a in recommendations(m)]
         where = A.attribute(m.get("scored"), m.get("batch")) if attribution and m.rows.ok else []
+        incomplete = _incomplete(m)
     code, failed = gate_status(rows, gate, missing)
-    return Diagnosis(store, rows, missing, advice, gate, failed, code, where)
+    return Diagnosis(store, rows, missing, advice, gate, failed, code, where, incomplete)
+
+
+def _incomplete(m: Measurements) -> dict[str, list[str]]:
+    """pair -> the damaged-shard lines of the runs behind it that a shard store was read without
+    (`reader.damaged_units`): that pair's verdict is on incomplete runs. {} for a whole store."""
+    from mismatch_lab.analysis.relations import query
+    from mismatch_lab.store.reader import damaged_units
+
+    damaged = damaged_units(m.con)
+    if not damaged or not m.rows.ok:
+        return {}
+    rel, params = m.rows.sql["rollout"]
+    out: dict[str, list[str]] = {}
+    for run_id, _, line in damaged:
+        found = query(m.con, f"SELECT DISTINCT rollout, scorer FROM ({rel}) WHERE run_id::VARCHAR = $damaged_run",
+                      {**params, "damaged_run": run_id})
+        for rollout, scorer in found.itertuples(index=False):
+            out.setdefault(f"{rollout}/{scorer}", []).append(line)
+    return out
 
 
 def doctor_table(con: duckdb.DuckDBPyConnection) -> pd.DataFrame:
@@ -91,7 +112,7 @@ def _finite(x):
 def json_doc(dx: Diagnosis) -> dict:
     return _finite({"store": dx.store, "gate": dx.gate, "gate_exit": dx.exit_code, "gates": list(GATES),
                     "checks": dx.checks, "recommendations": dx.recommendations, "not_measured": dx.not_measured,
-                    "attribution": dx.attribution})
+                    "attribution": dx.attribution, "incomplete": dx.incomplete})
 
 
 def write_json(dx: Diagnosis, path) -> None:
@@ -132,6 +153,8 @@ def pair_verdicts(dx: Diagnosis) -> list[dict]:
         verdict = pair_verdict(c)
         parts = [f"{SHORT[g]} {_cell(c.get(g))}" for g in TOLERANCE]
         parts += [f"health {health(c)}", BITWISE[c["bitwise"]["verdict"]] if "bitwise" in c else "bitwise -"]
+        if pair in dx.incomplete:
+            parts.append(f"incomplete: read without {len(dx.incomplete[pair])} damaged shard(s), see below")
         detail = " · ".join(parts)
         out.append({"pair": pair, "verdict": verdict, "detail": detail, "line": f"{pair:<{width}}  {verdict:<4}  {detail}"})
     return out
@@ -175,7 +198,8 @@ def _pair_matrix(dx: Diagnosis) -> list[str]:
     if not by:
         return []
     head = ["pair", "verdict", "mean|Δp| verl", "k3 prime-rl", "seq|Δlogp| slime", "≠ bitwise", "health"]
-    lines = [[p, pair_verdict(c), *(_cell(c.get(g)) for g in GATED), health(c)] for p, c in by.items()]
+    lines = [[p, pair_verdict(c) + (" incomplete" if p in dx.incomplete else ""), *(_cell(c.get(g)) for g in GATED),
+              health(c)] for p, c in by.items()]
     widths = [max(len(str(x[i])) for x in [head, *lines]) for i in range(len(head))]
     return ["  ".join(str(x).ljust(w) for x, w in zip(row, widths)).rstrip() for row in [head, *lines]]
 
@@ -204,6 +228,10 @@ def text_report(dx: Diagnosis) -> str:
     notes = _notes(dx)
     if notes:
         lines += ["", "findings:", *notes]
+    if dx.incomplete:
+        damaged = dict.fromkeys(line for found in dx.incomplete.values() for line in found)
+        lines += ["", f"incomplete: the verdicts of {', '.join(dx.incomplete)} are on runs read without these units:",
+                  *(f"  {line}" for line in damaged)]
     if dx.recommendations:
         lines += ["", "what to change:", *advice_lines(dx)]
     if dx.not_measured:

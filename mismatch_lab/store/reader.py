@@ -26,6 +26,7 @@ import atexit
 import os
 import re
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -43,7 +44,12 @@ from mismatch_lab.store.schema import (
     not_ours,
     type_fits,
 )
-from mismatch_lab.store.shards import RUNS_VIEW, committed_files, is_shard_store
+from mismatch_lab.store.shards import (
+    RUNS_VIEW,
+    Damaged,
+    committed_files,
+    is_shard_store,
+)
 
 STORE_HELP = ("the store: a .duckdb file (a running collect is fine), a directory of <table>.parquet files, a "
               "study directory or a recorded/imported run store")
@@ -56,6 +62,8 @@ READER_MEMORY_LIMIT = "3GB"
 """DuckDB's own default is 80 % of RAM, which a reader could take from a collect running beside it. At
 3 GB `analyze` of 10^7 tokens still runs in memory (peak RSS ~3.3 GB, docs/analysis.md); larger stores
 spill to a private temporary directory instead of failing."""
+DAMAGED = "_ml_damaged_units"
+"""Table of (run_id, path, line): the damaged files of a shard store whose units its reader left out."""
 FILLED_COLUMNS = "_ml_filled_columns"
 """Table of (table_name, column_name): the contract columns a Parquet store lacks, which its views fill
 with typed NULLs. `analysis.relations.table_columns` reports them absent, so the analyses neither read
@@ -63,9 +71,11 @@ nor materialise columns that hold nothing."""
 SNAPSHOT_TRIES = 3  # a copy taken while the writer checkpoints can be torn; a retry a moment later is not
 
 
-def open_store(path: str | Path) -> duckdb.DuckDBPyConnection:
-    """A read-only DuckDB connection on the store at `path` (module docstring)."""
-    con = _open(Path(path).expanduser())
+def open_store(path: str | Path, run_ids: list[str] | None = None) -> duckdb.DuckDBPyConnection:
+    """A read-only DuckDB connection on the store at `path` (module docstring). `run_ids`: the runs a command
+    was asked for by name; a shard store where one of them lost a damaged unit is refused (UserError naming
+    the file and the fix) instead of read without it (`damaged_units`)."""
+    con = _open(Path(path).expanduser(), run_ids)
     con.execute("SET enable_progress_bar = false")  # DuckDB's bar would garble CLI tables and app logs
     con.execute(f"SET memory_limit = '{READER_MEMORY_LIMIT}'")
     # spill files go to a private folder, not beside the store (a study folder may be read-only)
@@ -75,7 +85,7 @@ def open_store(path: str | Path) -> duckdb.DuckDBPyConnection:
     return con
 
 
-def _open(p: Path) -> duckdb.DuckDBPyConnection:
+def _open(p: Path, run_ids: list[str] | None = None) -> duckdb.DuckDBPyConnection:
     if p.is_file() and p.name == "study.toml":
         p = p.parent
     if p.is_file():
@@ -84,7 +94,7 @@ def _open(p: Path) -> duckdb.DuckDBPyConnection:
         if (p / "results").is_dir():
             return _open_parquet_dir(p / "results")
         if is_shard_store(p) or _parquet_sources(p):  # (a shard store's files are listed and checked once)
-            return _open_parquet_dir(p)
+            return _open_parquet_dir(p, run_ids=run_ids)
         db = study_duckdb(p)
         if db is not None:
             return _open_file(db)
@@ -270,14 +280,21 @@ def _contract_columns() -> dict[str, list[tuple[str, str]]]:
     return out
 
 
-def _open_parquet_dir(d: Path, files: dict[str, list[str]] | None = None) -> duckdb.DuckDBPyConnection:
-    """`files` (a shard store only): read these committed files instead of all (the app's cache, store/cache.py)."""
+def _open_parquet_dir(d: Path, files: dict[str, list[str]] | None = None,
+                      run_ids: list[str] | None = None) -> duckdb.DuckDBPyConnection:
+    """`files` (a shard store only): read these committed files instead of all (the app's cache, store/cache.py).
+    `run_ids`: refuse the store when a damaged unit of one of these runs was left out (`open_store`)."""
     contract = _contract_columns()
     shards = is_shard_store(d)
-    files = (committed_files(d) if files is None else files) if shards else None
+    damaged: list[Damaged] = []
+    files = (committed_files(d, damaged=damaged) if files is None else files) if shards else None
+    _damage_notice(damaged, run_ids)
     sources = _parquet_sources(d, contract, files)
     con = duckdb.connect()
     con.execute(f"CREATE TABLE {FILLED_COLUMNS}(table_name VARCHAR, column_name VARCHAR)")
+    con.execute(f"CREATE TABLE {DAMAGED}(run_id VARCHAR, path VARCHAR, line VARCHAR)")
+    if damaged:
+        con.executemany(f"INSERT INTO {DAMAGED} VALUES (?, ?, ?)", [(x.run_id, x.path, x.line()) for x in damaged])
     for table in TABLES:
         src = sources.get(table)
         if src is None:
@@ -305,6 +322,24 @@ def _open_parquet_dir(d: Path, files: dict[str, list[str]] | None = None) -> duc
     if shards:
         aligned.declare(con, d, files)
     return con
+
+
+def _damage_notice(damaged: list[Damaged], run_ids: list[str] | None) -> None:
+    """UserError for the first damaged file of a run asked for by name (a result without its unit would be
+    taken for the run's); else one warning a file (the unit is read without)."""
+    for x in damaged:
+        if run_ids and x.run_id in run_ids:
+            raise UserError(f"run {x.run_id!r} is incomplete: {x.line()}; then ask for it again")
+    for x in damaged:
+        print(f"warning: {x.line()}; read without it", file=sys.stderr)
+
+
+def damaged_units(con: duckdb.DuckDBPyConnection) -> list[tuple[str, str, str]]:
+    """(run_id, path, line naming the fix) of each damaged shard whose unit the reader left out of the store
+    on `con`, by run; [] for a store without (and for every store that is not a shard store)."""
+    if not con.execute("SELECT count(*) FROM duckdb_tables() WHERE table_name = ?", [DAMAGED]).fetchone()[0]:
+        return []
+    return con.execute(f"SELECT run_id, path, line FROM {DAMAGED} ORDER BY run_id, path").fetchall()
 
 
 def _ddl_table(stmt: str) -> str:

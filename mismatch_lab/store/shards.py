@@ -113,12 +113,13 @@ def init_store(root: str | Path) -> Path:
     return root
 
 
-def committed_files(root: str | Path, check: bool = True) -> dict[str, list[str]]:
+def committed_files(root: str | Path, check: bool = True, damaged: list | None = None) -> dict[str, list[str]]:
     """table -> its committed shard files (sorted): every runs file, and the step-table shards whose unit
     has its sequences shard (the commit point). Tables without a committed file are absent. `check`:
     leave out the files `damaged_files` finds cut short (their whole unit: every table's shard of that
     name and step), each with a warning on stderr naming it and the fix, so the store's other units and
-    runs stay readable."""
+    runs stay readable; with a `damaged` list, the `Damaged` files go there instead of the warnings (the
+    reader refuses a run asked for by name that lost a unit, `reader.open_store`)."""
     root = Path(root)
     out: dict[str, list[str]] = {}
     runs = sorted(str(p) for p in root.glob("runs/*/*.parquet"))
@@ -133,7 +134,10 @@ def committed_files(root: str | Path, check: bool = True) -> dict[str, list[str]
     if check:
         bad = damaged_files(root, out)
         for d in bad:
-            print(f"warning: {d.line()}; read without it", file=sys.stderr)
+            if damaged is None:
+                print(f"warning: {d.line()}; read without it", file=sys.stderr)
+            else:
+                damaged.append(d)
         out = _without_units(root, out, {d.unit for d in bad})
     return out
 
