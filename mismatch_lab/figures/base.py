@@ -108,8 +108,9 @@ def token_run_ids(con: duckdb.DuckDBPyConnection) -> list[str]:
 
 
 def dtype_of(label: str) -> str:
-    """The compute dtype of a rollout or scorer label: 'vllm:bf16' and 'vllm:bf16-wfp8' (rounded weights) -> 'bf16'."""
-    return label.split(":")[-1].split("-w")[0]
+    """The compute dtype of a rollout or scorer label: 'vllm:bf16', 'vllm:bf16-wfp8' (rounded weights) and
+    'vllm:bf16-p0.9-processed' (a sampling rule) -> 'bf16'."""
+    return label.split(":")[-1].split("-")[0]
 
 
 def pair_key(rollout: str, scorer: str) -> tuple:
