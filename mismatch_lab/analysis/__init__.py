@@ -9,6 +9,7 @@
     violations.py     negative-sample tokens outside the trust region; training-run metric series
     steps.py          the precision metrics per training step of the runs whose sequences carry a step
     staleness.py      the precision metrics per policy lag: numerical mismatch (lag 0) apart from staleness
+    nemo_rl_metric.py NeMo-RL's token_mult_prob_error per step of the NeMo-RL runs, as NeMo-RL computes it
     approximation.py  binary / top-K TV against exact full-vocabulary TV
     support.py        log S of a sampling rule's support against log r, per pair and mu bucket
     command.py        `mismatch-lab analyze`
@@ -27,6 +28,7 @@ import pandas as pd
 from mismatch_lab.analysis import (
     approximation,
     clipping,
+    nemo_rl_metric,
     precision,
     staleness,
     steps,
@@ -37,7 +39,8 @@ from mismatch_lab.analysis import (
 from mismatch_lab.analysis.relations import Filters
 from mismatch_lab.analysis.rows import Rows
 
-ANALYSES = ("volatility", "clipping", "precision", "violations", "approximation", "steps", "staleness", "support")
+ANALYSES = ("volatility", "clipping", "precision", "violations", "approximation", "steps", "staleness", "support",
+            "token_mult_prob_error")
 
 
 def _stack(parts: list[tuple[str, str, pd.DataFrame]]) -> pd.DataFrame:
@@ -103,6 +106,8 @@ def run_all(
                      sequences carry a policy lag (empty otherwise)
     * support:       support_table, column `view` = 'pair' | 'mu_bucket': log S against log r of the pairs whose
                      scorer stored log S (a rollout sampling with temperature / top-k / top-p; empty otherwise)
+    * token_mult_prob_error: nemo_rl_table, NeMo-RL's metric per (run_id, rollout, scorer, step) of the runs
+                     whose scorer is NeMo-RL's (empty otherwise)
     The store is joined once (rows.Rows, materialized) and every analysis reads that row set.
     `progress(name, seconds since the start)` is called after the join and after each analysis. A rollout,
     scorer or run id the store does not hold is a UserError listing those it holds (named as the CLI's
@@ -142,6 +147,8 @@ def run_all(
             "steps": lambda: steps.step_series(con, **r),
             "staleness": lambda: staleness.staleness_table(con, rollout=rollout, scorer=scorer, run_ids=run_ids),
             "support": lambda: support.support_table(con, rollout=rollout, scorer=scorer, run_ids=run_ids),
+            "token_mult_prob_error": lambda: nemo_rl_metric.nemo_rl_table(con, rollout=rollout, scorer=scorer,
+                                                                          run_ids=run_ids),
         }
         out = {}
         for name, table in tables.items():

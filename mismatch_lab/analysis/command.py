@@ -9,7 +9,7 @@ as one JSON document.
 By default it prints the summary (analysis/summary.py): what the store holds, per (rollout, scorer) pair
 the key numbers with their units, the scorers' noise floor, and the names `--table` takes. --db takes anything `open_store` reads (a .duckdb file, even while a collect writes it; a directory of
 <table>.parquet files; a study directory). The JSON holds one key per analysis (volatility, clipping,
-precision, violations, approximation, steps, staleness, support), each a list of row objects; NaN and +-inf
+precision, violations, approximation, steps, staleness, support, token_mult_prob_error), each a list of row objects; NaN and +-inf
 become null. Every key is defined in docs/analysis.md.
 """
 

@@ -77,6 +77,13 @@ SUPPORT_BIAS = Band("above", "<= 0.5 ok, > 0.5 warn", OURS + ": above half, the 
 """|mean log S| / mean |log r| of a rollout whose μ is processed (after temperature / top-k / top-p) against a raw π:
 log S <= 0 on every token, so it biases log r one way; above 0.5 the pair's mismatch is mostly the sampling rule,
 not the numerics (our level: it only warns)."""
+NEMO_RL_MULT_PROB_ERROR = Band(
+    "above", "<= 1.05 ok, > 1.05 warn",
+    "NeMo-RL docs/guides/dtensor-tp-accuracy.md: above 1.05 warrants investigation (token_mult_prob_error)",
+    warn=1.05, metric="token_mult_prob_error")
+"""NeMo-RL's mean exp|log π − log μ| over a step's tokens (analysis/nemo_rl_metric.py), judged on the pair's median
+step: its guide calls occasional spikes acceptable when the metric returns to about 1.0, so one spike does not
+judge a run (the largest step is shown beside it). A level for looking, not a CI gate: it only warns."""
 BATCH_VARIANCE = Band("above", "= 0 ok, > 0 fail", BITWISE + "; needs batch-invariant kernels", fail=0.0)
 
 SEQ_K3_REJECT = D.K3_THRESHOLD

@@ -33,6 +33,7 @@ class Check:
     gates: tuple[str, ...] = ()
     judged: str | None = None
     needs: str = ""  # what run provides the data, said when the store lacks it
+    only_some_runs: bool = False  # a framework's own metric for its runs only: not listed as not measured elsewhere
 
 
 PAIR_NEEDS = "a store with scored tokens: `mismatch-lab doctor --model M` or `mismatch-lab collect`"
@@ -43,6 +44,7 @@ BATCH_NEEDS = ("collect runs of one rollout at two generation batch sizes, other
                "(studies/batch-invariance/study.toml)")
 SUPPORT_NEEDS = ("a rollout whose μ is processed by a sampling rule, scored with log S stored (`mismatch-lab collect "
                  "--top-p 0.9 --logprobs-mode processed`: scores.log_support)")
+NEMO_RL_NEEDS = "a run imported from NeMo-RL (`mismatch-lab import nemo-rl LOG_DIR`)"
 SKIPPED_NEEDS = ("a `collect` run (only collect skips prompts longer than the context and lists them in "
                  "skipped_prompts; train, recorded and imported runs skip none)")
 
@@ -73,6 +75,8 @@ CHECKS: tuple[Check, ...] = (
           B.BATCH_VARIANCE, "batch", "frac_differ", ("bitwise",), needs=BATCH_NEEDS),
     Check("batch_logp", "mean |Δ log μ| across generation batch sizes (shared prefix)", B.BATCH_VARIANCE, "batch",
           "abs_dlogp_mean", ("bitwise",), needs=BATCH_NEEDS),
+    Check("nemo_rl_mult_prob_error", "NeMo-RL token_mult_prob_error = mean exp|log π − log μ|, median over steps",
+          B.NEMO_RL_MULT_PROB_ERROR, "nemo_rl", "median_step", needs=NEMO_RL_NEEDS, only_some_runs=True),
 )
 BY_NAME = {c.name: c for c in CHECKS}
 GATES = tuple(sorted({g for c in CHECKS for g in c.gates}))
@@ -97,6 +101,8 @@ DETAILS = {
                         f"first {quarter(r['n_steps'])} steps {r['first_mean']:.3g} → last {quarter(r['n_steps'])} {r['last_mean']:.3g}"),
     "batch": lambda r: (f"batch {int(r['b0'])} vs {int(r['batch'])}: {int(r['n_seq'])} sequences, "
                         f"{int(r['n_tok'])} prefix tokens"),
+    "nemo_rl": lambda r: (f"{int(r['n_steps'])} steps, largest {r['max_step']:.4g} at step {int(r['max_at'])}, "
+                          f"{int(r['steps_above'])} above 1.05; n = {int(r['n_finite']):,} finite rows"),
 }
 
 
@@ -128,6 +134,8 @@ def run_checks(m: Measurements, names: tuple[str, ...] | None = None) -> tuple[l
         found = check_rows(check, table)
         rows += found
         if table.empty:
+            if check.only_some_runs:
+                continue
             missing.append({"check": check.name, "title": check.title, "needs": check.needs, "pair": None,
                             "gates": list(check.gates)})
             continue

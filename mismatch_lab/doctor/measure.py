@@ -193,7 +193,14 @@ def support(m: Measurements) -> pd.DataFrame:
     return support_table(m.get("scored"))
 
 
+def nemo_rl(m: Measurements) -> pd.DataFrame:
+    """One row per NeMo-RL (rollout, scorer): its token_mult_prob_error steps (analysis/nemo_rl_metric.py)."""
+    from mismatch_lab.analysis.nemo_rl_metric import nemo_rl_table, pair_summary
+
+    return pair_summary(nemo_rl_table(m.con))
+
+
 MEASUREMENTS = {"pairs": pairs, "steps": steps, "batch": batch, "skipped": skipped, "approximation": approximation,
-                "corrections": corrections, "scored": scored, "support": support}
+                "corrections": corrections, "scored": scored, "support": support, "nemo_rl": nemo_rl}
 
 __all__ = ["MEASUREMENTS", "Measurements"]

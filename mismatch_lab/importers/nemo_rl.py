@@ -45,6 +45,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from mismatch_lab.analysis.nemo_rl_metric import BAND  # NeMo-RL's published level
 from mismatch_lab.errors import UserError
 from mismatch_lab.importers.base import Discovery, Source
 from mismatch_lab.importers.jsonlines import (
@@ -68,8 +69,6 @@ NEW = ("token_ids", "token_loss_mask", "advantages", "generation_logprobs", "pre
 OLD = ("generation_logprobs", "prev_logprobs")
 """Per-position fields of the two forms (all required); per-sample fields: PER_SAMPLE."""
 PER_SAMPLE = {"input_lengths": True, "rewards": False, "sample_loss_mask": False}
-BAND = 1.05
-"""NeMo-RL docs/guides/grpo.md: a token_mult_prob_error above 1.05 warrants investigation."""
 METRICS = {
     "token_mult_prob_error": "mean over the stored finite tokens of exp(|log pi - log mu|) (= mean max(r, 1/r))",
     "gen_kl_error": "kl_k3: mean of r - log r - 1 (NeMo-RL's default reference_policy_kl_type k3)",
