@@ -12,6 +12,7 @@
     nemo_rl_metric.py NeMo-RL's token_mult_prob_error per step of the NeMo-RL runs, as NeMo-RL computes it
     approximation.py  binary / top-K TV against exact full-vocabulary TV
     support.py        log S of a sampling rule's support against log r, per pair and mu bucket
+    routing.py        MoE routing: expert-set flips per pair, layer and margin; mismatch with vs without; R3 share
     command.py        `mismatch-lab analyze`
 
 No torch, no vLLM: analysis runs wherever DuckDB does. `run_all` is what `analyze` prints and writes.
@@ -30,6 +31,7 @@ from mismatch_lab.analysis import (
     clipping,
     nemo_rl_metric,
     precision,
+    routing,
     staleness,
     steps,
     support,
@@ -40,7 +42,7 @@ from mismatch_lab.analysis.relations import Filters
 from mismatch_lab.analysis.rows import Rows
 
 ANALYSES = ("volatility", "clipping", "precision", "violations", "approximation", "steps", "staleness", "support",
-            "token_mult_prob_error")
+            "token_mult_prob_error", "routing")
 
 
 def _stack(parts: list[tuple[str, str, pd.DataFrame]]) -> pd.DataFrame:
@@ -108,6 +110,8 @@ def run_all(
                      scorer stored log S (a rollout sampling with temperature / top-k / top-p; empty otherwise)
     * token_mult_prob_error: nemo_rl_table, NeMo-RL's metric per (run_id, rollout, scorer, step) of the runs
                      whose scorer is NeMo-RL's (empty otherwise)
+    * routing:       routing_table, column `view` = 'pair' | 'layer' | 'margin': MoE expert-set flips of each scorer
+                     against the rollout (empty when the store holds no routing rows)
     The store is joined once (rows.Rows, materialized) and every analysis reads that row set.
     `progress(name, seconds since the start)` is called after the join and after each analysis. A rollout,
     scorer or run id the store does not hold is a UserError listing those it holds (named as the CLI's
@@ -149,6 +153,7 @@ def run_all(
             "support": lambda: support.support_table(con, rollout=rollout, scorer=scorer, run_ids=run_ids),
             "token_mult_prob_error": lambda: nemo_rl_metric.nemo_rl_table(con, rollout=rollout, scorer=scorer,
                                                                           run_ids=run_ids),
+            "routing": lambda: routing.routing_table(con, rollout=rollout, scorer=scorer, run_ids=run_ids),
         }
         out = {}
         for name, table in tables.items():

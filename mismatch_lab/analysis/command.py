@@ -28,7 +28,8 @@ from mismatch_lab.errors import UserError
 from mismatch_lab.store.reader import STORE_HELP
 
 # The column that splits each analysis into its sub-tables for printing (see run_all).
-SPLIT = {"volatility": "scale", "clipping": "view", "precision": "comparison", "violations": "source", "support": "view"}
+SPLIT = {"volatility": "scale", "clipping": "view", "precision": "comparison", "violations": "source", "support": "view",
+         "routing": "view"}
 
 if TYPE_CHECKING:  # pandas is imported where a table is printed: `analyze --help` needs none of it
     import pandas as pd

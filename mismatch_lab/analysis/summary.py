@@ -113,6 +113,17 @@ def _split(df: pd.DataFrame, column: str, value: str) -> pd.DataFrame:
     return df[df[column] == value] if not df.empty and column in df.columns else df.iloc[0:0]
 
 
+def routing_lines(pairs: pd.DataFrame) -> list[str]:
+    """One line per (rollout, scorer) pair of the routing table (none when the store holds no routing)."""
+    out = []
+    for r in pairs.itertuples():
+        r3 = f", R3 share {r.r3_share:.0%} ({r.r3_scorer})" if pd.notna(r.r3_share) else ""
+        out.append(f"  {r.rollout} vs {r.scorer}: {r.any_layer_differs:.1%} of {r.tokens:,} tokens differ in >= 1 layer, "
+                   f"flip rate {r.flip_rate:.2%}{r3}")
+    head = "MoE routing: tokens sent to another expert set than the rollout's; flip rate per (token, layer) cell"
+    return ["", head + " (`--table routing`)", *out] if out else []
+
+
 def analyze_summary(store: str, counts: dict, tables: dict[str, pd.DataFrame], filters: list[str]) -> list[str]:
     """`analyze`'s default output: what the store holds, the pair table, the scorers' noise floor, the
     per-step runs, a pointer to `doctor`, and (last line) the table names `--table` prints."""
@@ -136,6 +147,7 @@ def analyze_summary(store: str, counts: dict, tables: dict[str, pd.DataFrame], f
     if not steps.empty:
         out += ["", (f"training steps: {steps['run_id'].nunique()} run(s) over {steps['step'].nunique()} step(s), "
                      "the same numbers per step: `--table steps`")]
+    out += routing_lines(_split(tables.get("routing", pd.DataFrame()), "view", "pair"))
     sizes = ", ".join(f"{name} ({len(df):,})" for name, df in tables.items())  # row counts; 120 characters
     out += ["", f"verdicts and what to change: {command('doctor', '--db', store)}",
             "print a table in full with --table NAME (repeatable), every table with --all; docs/analysis.md",
