@@ -1,4 +1,5 @@
-"""Export a store to compact Parquet: `<out>/<table>.parquet` (zstd) for every table of `schema.TABLES`.
+"""Export a store to compact Parquet: `<out>/<table>.parquet` (zstd) for every table of `schema.TABLES`
+(an optional table of `schema.OPTIONAL_TABLES`, e.g. `routing`, only when it holds rows).
 
     mismatch-lab export --db studies/precision-sweep/precision-sweep.duckdb --out studies/precision-sweep/results
 
@@ -23,9 +24,9 @@ from pathlib import Path
 from mismatch_lab.errors import UserError
 from mismatch_lab.store import shards
 from mismatch_lab.store.reader import STORE_HELP, open_store
-from mismatch_lab.store.schema import SCHEMA_VERSION, TABLES
+from mismatch_lab.store.schema import OPTIONAL_TABLES, SCHEMA_VERSION, TABLES
 
-ORDER_COLUMNS = ("run_id", "seq_id", "pos", "scorer", "step", "name", "chunk", "key")
+ORDER_COLUMNS = ("run_id", "seq_id", "pos", "scorer", "side", "layer", "step", "name", "chunk", "key")
 """Sort keys, in this order, used where the table has them (scorer after pos: the rows of one token sit
 together in `scores`)."""
 
@@ -56,6 +57,7 @@ def export(db_path: str | Path, out_dir: str | Path, *, progress=None) -> dict[s
     con = open_store(src)
     counts: dict[str, int] = {}
     written: list[tuple[Path, Path]] = []  # (temporary, final) of every table written
+    stale: list[Path] = []  # an optional table without rows: removed with the renames
     try:
         out.mkdir(parents=True, exist_ok=True)
         for table in TABLES:
@@ -63,9 +65,13 @@ def export(db_path: str | Path, out_dir: str | Path, *, progress=None) -> dict[s
             cols = _columns(con, table)
             if not cols:
                 raise UserError(f"{src} has no table {table!r}; is it a mismatch-lab store?")
+            final = out / f"{table}.parquet"
+            if table in OPTIONAL_TABLES and not con.execute(f"SELECT count(*) FROM {table}").fetchone()[0]:
+                stale.append(final)  # absent = none recorded (an earlier export's file would be stale)
+                counts[table] = 0
+                continue
             order = [c for c in ORDER_COLUMNS if c in cols]
             order_sql = f" ORDER BY {', '.join(order)}" if order else ""
-            final = out / f"{table}.parquet"
             tmp = out / f".{table}.parquet.tmp-{os.getpid()}"
             path_sql = "'" + str(tmp).replace("'", "''") + "'"
             written.append((tmp, final))
@@ -78,6 +84,8 @@ def export(db_path: str | Path, out_dir: str | Path, *, progress=None) -> dict[s
                 progress(table, counts[table], time.perf_counter() - t0, tmp.stat().st_size)
         for tmp, final in written:
             os.replace(tmp, final)
+        for final in stale:
+            final.unlink(missing_ok=True)
     finally:
         con.close()
         for tmp, _ in written:
@@ -119,6 +127,7 @@ def run(args: argparse.Namespace) -> int:
 
     print(f"export {args.db} -> {out}/<table>.parquet (zstd)")
     counts = export(args.db, out, progress=show)
-    total = sum((out / f"{t}.parquet").stat().st_size for t in counts)
-    print(f"done: {len(counts)} tables, {sum(counts.values()):,} rows, {total / 1e6:.2f} MB")
+    files = [out / f"{t}.parquet" for t in counts if (out / f"{t}.parquet").is_file()]  # no empty optional table
+    total = sum(f.stat().st_size for f in files)
+    print(f"done: {len(files)} tables, {sum(counts.values()):,} rows, {total / 1e6:.2f} MB")
     return 0

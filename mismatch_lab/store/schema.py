@@ -91,6 +91,22 @@ COLUMNS: dict[str, tuple[tuple[str, str, str], ...]] = {
         ("name", "VARCHAR", "slash path ending in the reduction, e.g. 'mismatch/abs_dp/mean'"),
         ("value", "DOUBLE", ""),
     ),
+    # MoE routing (optional: empty in a DuckDB store without MoE runs, absent from a Parquet store or export
+    # without; readers treat absent as "no routing recorded"). One row per (run, sequence, response position,
+    # side, MoE layer); docs/moe.md.
+    "routing": (
+        ("run_id", "VARCHAR", ""),
+        ("seq_id", "BIGINT", ""),
+        ("pos", "INTEGER", ("response position (= tokens.pos): the routing of the forward position whose output "
+                            "distribution gives response token pos (input position prompt_len + pos - 1)")),
+        ("side", "VARCHAR", ("'rollout' (the run's rollout engine, labelled by schema.rollout_label_sql) or a scorer "
+                             "label as in scores.scorer, e.g. 'hf:fp32', 'hf:fp32-r3'")),
+        ("layer", "SMALLINT", "MoE layer index, input to output (0-based among the MoE layers)"),
+        ("expert_ids", "SMALLINT[]", "the k chosen experts in rank order (highest router score first)"),
+        ("expert_weights", "FLOAT[]", "their weights as the experts received them (same order); NULL where not recorded"),
+        ("margin", "FLOAT", ("router's k-th largest logit minus its (k+1)-th (distance to a change of the chosen "
+                             "set); NULL where not recorded")),
+    ),
     # Bookkeeping for resume: one row per unit of work committed atomically with its data.
     "chunks_done": (
         ("run_id", "VARCHAR", ""),
@@ -133,6 +149,11 @@ def rollout_label_sql(alias: str | None = "runs") -> str:
 
 
 TABLES = tuple(COLUMNS)
+OPTIONAL_TABLES = ("routing",)
+"""Tables a store may lack altogether (a Parquet store, an export): read as empty; `export` writes them only
+when they hold rows."""
+ROUTING_ROLLOUT_SIDE = "rollout"
+"""`routing.side` of the run's rollout engine (a scorer's rows carry its `scores.scorer` label)."""
 
 REQUIRED_COLUMNS: dict[str, tuple[str, ...]] = {
     "meta": ("key", "value"),
@@ -141,6 +162,7 @@ REQUIRED_COLUMNS: dict[str, tuple[str, ...]] = {
     "tokens": ("run_id", "seq_id", "pos", "token_id", "logp_rollout"),
     "scores": ("run_id", "seq_id", "pos", "scorer", "logp", "nonfinite"),
     "train_metrics": ("run_id", "step", "name", "value"),
+    "routing": ("run_id", "seq_id", "pos", "side", "layer", "expert_ids"),
 }
 """table -> the columns a store must hold wherever it holds the table (docs/design.md, "The data contract"):
 `store.reader.open_store` refuses a store that lacks one or holds one of an incompatible type (`type_fits`).
@@ -150,6 +172,9 @@ Every other contract column is optional: absent (a Parquet store's reader fills 
 _TYPE_FAMILIES = {
     "DOUBLE": r"(U?(TINY|SMALL|BIG|HUGE)?INT(EGER)?|FLOAT|DOUBLE|REAL|DECIMAL(\(.*\))?)",
     "BIGINT": r"U?(TINY|SMALL|BIG|HUGE)?INT(EGER)?",
+    "SMALLINT": r"U?(TINY|SMALL|BIG|HUGE)?INT(EGER)?",
+    "SMALLINT[]": r"U?(TINY|SMALL|BIG|HUGE)?INT(EGER)?\[\]",
+    "FLOAT": r"(FLOAT|DOUBLE|REAL)",
     "INTEGER": r"U?(TINY|SMALL|BIG|HUGE)?INT(EGER)?",
     "VARCHAR": r"(VARCHAR|JSON)",
     "JSON": r"(VARCHAR|JSON)",

@@ -27,7 +27,8 @@ from mismatch_lab.store.schema import COLUMNS, create_schema, not_ours
 ARROW_OF_SQL = {
     "VARCHAR": pa.string(), "JSON": pa.string(), "BIGINT": pa.int64(), "INTEGER": pa.int32(), "DOUBLE": pa.float64(),
     "BOOLEAN": pa.bool_(), "TIMESTAMP": pa.timestamp("us"), "INTEGER[]": pa.list_(pa.int32()),
-    "DOUBLE[]": pa.list_(pa.float64()),
+    "DOUBLE[]": pa.list_(pa.float64()), "SMALLINT": pa.int16(), "SMALLINT[]": pa.list_(pa.int16()),
+    "FLOAT": pa.float32(), "FLOAT[]": pa.list_(pa.float32()),
 }
 
 
@@ -41,7 +42,8 @@ SEQUENCE_TYPES = arrow_types("sequences")
 TOKEN_TYPES = arrow_types("tokens")
 SCORE_TYPES = arrow_types("scores")
 METRIC_TYPES = arrow_types("train_metrics")
-TABLE_TYPES = {"sequences": SEQUENCE_TYPES, "tokens": TOKEN_TYPES, "scores": SCORE_TYPES}
+ROUTING_TYPES = arrow_types("routing")
+TABLE_TYPES = {"sequences": SEQUENCE_TYPES, "tokens": TOKEN_TYPES, "scores": SCORE_TYPES, "routing": ROUTING_TYPES}
 
 
 @contextmanager
@@ -158,12 +160,14 @@ class StoreWriter:
 
     # -- data -----------------------------------------------------------------------------------------
     def write_chunk(self, run_id: str, chunk: int, *, sequences: pa.Table, tokens: pa.Table, scores: pa.Table,
-                    seconds: float, skipped: list[tuple[str, str]] = (), metrics: list[tuple] = ()) -> None:
-        """Insert one unit of work atomically; `metrics` are (step, name, value) rows for train_metrics."""
+                    seconds: float, skipped: list[tuple[str, str]] = (), metrics: list[tuple] = (),
+                    routing: pa.Table | None = None) -> None:
+        """Insert one unit of work atomically; `metrics` are (step, name, value) rows for train_metrics, `routing`
+        the unit's MoE routing rows (None: none recorded)."""
         con = self.con
         with transaction(con):
-            for name, tbl in (("sequences", sequences), ("tokens", tokens), ("scores", scores)):
-                if tbl.num_rows:
+            for name, tbl in (("sequences", sequences), ("tokens", tokens), ("scores", scores), ("routing", routing)):
+                if tbl is not None and tbl.num_rows:
                     con.register("_chunk_tbl", tbl)
                     cols = ", ".join(tbl.column_names)
                     con.execute(f"INSERT INTO {name} ({cols}) SELECT {cols} FROM _chunk_tbl")
