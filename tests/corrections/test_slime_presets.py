@@ -38,7 +38,8 @@ def _reference(t, settings):
 
     masks = [torch.ones(n, dtype=torch.int) for n in lengths]
     loss, metrics, weight, keep = ref.slime_step(dict(settings), split(leaf), split(t.logp_old),
-                                                 split(t.logp_rollout), split(t.advantages), masks)
+                                                 split(t.logp_rollout), split(t.advantages), masks,
+                                                 ref_lp=split(t.logp_old))
     loss.backward()
     grid_w, grid_k = torch.zeros_like(t.logp_old), torch.zeros_like(t.mask)
     grid_w[t.mask], grid_k[t.mask] = weight, keep
@@ -89,3 +90,28 @@ def test_slimes_icepop_keeps_its_tis_clip_band_not_our_icepops_band(t):
     ours = CORRECTIONS["icepop"].rule(b, CORRECTIONS["icepop"].params)
     assert not torch.equal(ours.keep, slime.keep)
     assert "[0, 2]" in CORRECTIONS["icepop"].framework
+
+
+def test_the_inputs_reach_what_gspo_cispo_and_the_kl_loss_read(t):
+    by_name = {p.name: p for p in PRESETS}
+    gspo = by_name["slime/gspo"]
+    per_token = gspo.loss(fresh(t), {**gspo.settings, "advantage_estimator": "grpo"})
+    assert 0 < gspo(fresh(t)).metrics["pg_clipfrac"] < 1
+    assert gspo(fresh(t)).metrics["pg_clipfrac"] != per_token.metrics["pg_clipfrac"]
+    assert by_name["slime/cispo"](fresh(t)).metrics["pg_clipfrac"] > 0
+    kls = {by_name[f"slime/kl-loss-{k}"](fresh(t)).metrics["kl_loss"] for k in ("k1", "k2", "k3")}
+    assert len(kls) == 3 and 0.0 not in kls
+
+
+def test_a_token_far_from_the_reference_meets_low_var_kls_clamp_as_in_slime():
+    # log π − log π_ref = −3: k3 = e³ − 4 ≈ 16.1, clamped to 10 by low_var_kl, not by k3
+    t = tokens([([-3.5, -0.2], [-0.5, -0.2], [-0.5, -0.3], 1.0), ([-1.0], [-1.2], [-1.1], -1.0)])
+    losses = {}
+    for preset in (p for p in PRESETS if p.settings["use_kl_loss"]):
+        loss, grad, keep, weight, metrics = _reference(t, preset.settings)
+        ours_t = fresh(t)
+        ours = preset(ours_t)
+        ours.loss.backward()
+        assert_same_result(ours_t, ours, loss, grad, keep, weight, metrics)
+        losses[preset.name] = metrics["kl_loss"]
+    assert losses["slime/kl-loss-low_var_kl"] < losses["slime/kl-loss-k3"]

@@ -8,6 +8,14 @@ In the project's notation (π the trainer now, π_old slime's recomputed `log_pr
   anchor       o = π_old, or o = μ with --use-rollout-logprobs; c = π/o per token.
   PPO          ℓ = max(−c A, −clip(c, 1 − eps_clip, 1 + eps_clip_high) A); with eps_clip_c (dual clip)
                ℓ ← min(ℓ, −eps_clip_c·A) where A < 0.
+  GSPO         (--advantage-estimator gspo, compute_gspo_kl) the same clip on c = exp(mean_t log π/o), one value
+               per sequence (its gradient flows through every token of the mean).
+  CISPO        (--advantage-estimator cispo, compute_cispo_loss) ℓ = −sg(clip(c, 1 − eps_clip, 1 + eps_clip_high))
+               ·A·log π; pg_clipfrac counts tokens whose c was clipped; eps_clip_c is not read.
+  KL loss      (--use-kl-loss) + kl_loss_coef · sample-mean of compute_approx_kl(π, π_ref) of --kl-loss-type
+               (k1 log π/π_ref, k2 ½ log², k3 and low_var_kl π_ref/π − 1 − log π_ref/π, low_var_kl clamped to
+               ±10), times c = π/o (not detached) with --use-unbiased-kl. A store holds no reference model:
+               π_ref = π_old here (the first step of a run, whose reference is the policy that rolled out).
   OPSM         (--use-opsm) a sequence with A < 0 and mean_t (log o − log π) > opsm_delta is zeroed: it compares
                π_old with π by default, μ with π only with --use-rollout-logprobs.
   TIS          (--use-tis) ρ = π_old/μ per token: vanilla_tis_function multiplies ℓ by clamp(ρ, tis_clip_low,
@@ -25,8 +33,9 @@ out-of-band tokens and MIS rejections. Metrics under slime's names, each its per
 response averaged over sequences, as slime reports them: pg_loss, pg_clipfrac, ppo_kl, train_rollout_logprob_abs_diff
 (mean |log π_old − log μ|, |log π − log μ| with --use-rollout-logprobs; like pg_clipfrac and ppo_kl its
 numerator leaves out MIS-rejected tokens), and with --use-tis ois, tis,
-tis_clipfrac, tis_abs (or mis_* for the MIS example), opsm_clipfrac with --use-opsm. Not reproduced: entropy_loss
-(it needs the logits).
+tis_clipfrac, tis_abs (or mis_* for the MIS example), opsm_clipfrac with --use-opsm, kl_loss with --use-kl-loss.
+Not reproduced: entropy_loss (it needs the logits), custom_pg_loss_reducer_function_path, --get-mismatch-metrics
+without --use-tis, --calculate-per-token-loss, context parallelism.
 """
 
 from __future__ import annotations
@@ -39,7 +48,8 @@ import torch
 from mismatch_lab.corrections.frameworks.base import Preset, Result, Tokens
 
 SOURCE = ("THUDM/slime @624b824a, slime/backends/megatron_utils/loss.py (policy_loss_function, "
-          "vanilla_tis_function, icepop_function, loss_function), slime/utils/ppo_utils.py, "
+          "vanilla_tis_function, icepop_function, loss_function), slime/utils/ppo_utils.py (compute_policy_loss, "
+          "compute_gspo_kl, compute_cispo_loss, compute_approx_kl, compute_opsm_mask), "
           "examples/train_infer_mismatch_helper/mis.py")
 MIS_SAFETY = 20.0
 """The MIS example clamps log ratios to ±20 before exp."""
@@ -61,14 +71,41 @@ def _report(x: torch.Tensor, m: torch.Tensor, within: torch.Tensor | None = None
     return (per_seq.sum() / m.shape[0]).item()
 
 
-def _ppo(t: Tokens, s: Mapping[str, Any], anchor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    c = (t.logp - anchor).exp()
+def _log_ratio(t: Tokens, s: Mapping[str, Any], anchor: torch.Tensor) -> torch.Tensor:
+    """log c = −ppo_kl: per token, or (--advantage-estimator gspo) each sequence's mean broadcast."""
+    lc = t.logp - anchor
+    return _row_mean(lc, t.mask.to(lc.dtype)).expand_as(lc) if s["advantage_estimator"] == "gspo" else lc
+
+
+def _ppo(t: Tokens, s: Mapping[str, Any], lc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    c = lc.exp()
     a = t.advantages
     plain, clipped = -c * a, -c.clamp(1 - s["eps_clip"], 1 + s["eps_clip_high"]) * a
     loss = torch.maximum(plain, clipped)
     if s["eps_clip_c"] is not None:
         loss = torch.where(a < 0, torch.min(-s["eps_clip_c"] * a, loss), loss)
     return loss, (clipped > plain).to(t.logp.dtype)
+
+
+def _cispo(t: Tokens, s: Mapping[str, Any], lc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """compute_cispo_loss: −sg(clip(c, 1 − eps_clip, 1 + eps_clip_high))·A·log π (eps_clip_c not read)."""
+    c = lc.exp()
+    kept = c.clamp(1 - s["eps_clip"], 1 + s["eps_clip_high"])
+    return -kept.detach() * t.advantages * t.logp, (kept != c).to(t.logp.dtype)
+
+
+def _kl(t: Tokens, s: Mapping[str, Any], anchor: torch.Tensor) -> torch.Tensor:
+    """compute_approx_kl(π, π_ref) per token for --use-kl-loss, π_ref = π_old (module docstring)."""
+    lr = t.logp - t.logp_old
+    kl = KL_TYPES[s["kl_loss_type"]](lr)
+    if s["use_unbiased_kl"]:
+        kl = (t.logp - anchor).exp() * kl
+    return kl.clamp(-10, 10) if s["kl_loss_type"] == "low_var_kl" else kl
+
+
+KL_TYPES = {"k1": lambda lr: lr, "k2": lambda lr: lr ** 2 / 2.0, "k3": lambda lr: (-lr).exp() - 1 + lr,
+            "low_var_kl": lambda lr: (-lr).exp() - 1 + lr}
+"""--kl-loss-type: the estimator of KL(π ‖ π_ref) on lr = log π − log π_ref (low_var_kl is k3 clamped to ±10)."""
 
 
 def _opsm_drop(t: Tokens, s: Mapping[str, Any], anchor: torch.Tensor) -> torch.Tensor:
@@ -172,11 +209,16 @@ def _mis(t: Tokens, s: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor, d
     return w, kept, {f"mis_{k}": v for k, v in metrics.items()}
 
 
+def _objective(t: Tokens, s: Mapping[str, Any], lc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return (_cispo if s["advantage_estimator"] == "cispo" else _ppo)(t, s, lc)
+
+
 def policy_loss(t: Tokens, s: Mapping[str, Any]) -> Result:
     """slime's policy_loss_function + loss_function for one micro-batch of B sequences (module docstring)."""
     m = t.mask.to(t.logp.dtype)
     anchor = t.logp_rollout if s["use_rollout_logprobs"] else t.logp_old
-    per_token, clipfrac = _ppo(t, s, anchor)
+    lc = _log_ratio(t, s, anchor)
+    per_token, clipfrac = _objective(t, s, lc)
     keep, numerator = t.mask.clone(), m
     metrics: dict[str, float] = {}
     if s["use_opsm"]:
@@ -191,12 +233,21 @@ def policy_loss(t: Tokens, s: Mapping[str, Any]) -> Result:
         per_token = per_token * weight
         numerator = m * kept if mis else m
         keep &= kept.bool()
-        metrics["ois"] = _report((t.logp - anchor).exp().detach(), m)
+        metrics["ois"] = _report(lc.exp().detach(), m)
         metrics.update({k: _report(v.detach(), m) for k, v in tis_metrics.items()})
-    loss = (_row_sum(per_token, numerator) / m.sum(-1, keepdim=True).clamp(min=1)).sum() / m.shape[0]
+
+    def sample_mean(x: torch.Tensor) -> torch.Tensor:
+        return (_row_sum(x, numerator) / m.sum(-1, keepdim=True).clamp(min=1)).sum() / m.shape[0]
+
+    pg_loss = sample_mean(per_token)
+    loss = pg_loss
+    if s["use_kl_loss"]:
+        kl_loss = sample_mean(_kl(t, s, anchor))
+        loss = loss + s["kl_loss_coef"] * kl_loss
+        metrics["kl_loss"] = kl_loss.item()
     compare = t.logp.detach() if s["use_rollout_logprobs"] else t.logp_old
-    metrics.update({"loss": loss.item(), "pg_loss": loss.item(), "pg_clipfrac": _report(clipfrac, m, numerator),
-                    "ppo_kl": _report((anchor - t.logp).detach(), m, numerator),
+    metrics.update({"loss": loss.item(), "pg_loss": pg_loss.item(), "pg_clipfrac": _report(clipfrac, m, numerator),
+                    "ppo_kl": _report(-lc.detach(), m, numerator),
                     "train_rollout_logprob_abs_diff": _report((compare - t.logp_rollout).abs(), m, numerator)})
     return Result(loss, keep, (weight * m).detach(), metrics)
 
@@ -207,6 +258,8 @@ MIS = "examples.train_infer_mismatch_helper.mis.compute_mis_weights_with_cp"
 DEFAULTS: dict[str, Any] = {
     "eps_clip": 0.2, "eps_clip_high": 0.2, "eps_clip_c": None, "use_rollout_logprobs": False, "use_opsm": False,
     "opsm_delta": 1e-4, "use_tis": False, "tis_clip": 2.0, "tis_clip_low": 0.0, "custom_tis_function_path": None,
+    "advantage_estimator": "grpo", "use_kl_loss": False, "kl_loss_coef": 0.0, "kl_loss_type": "k1",
+    "use_unbiased_kl": False,
 }
 """slime/utils/arguments.py defaults (eps_clip_high None there means eps_clip, written out here)."""
 
@@ -216,6 +269,14 @@ MIS_YAML: dict[str, Any] = {
     "tis_batch_normalize": True,
 }
 """examples/train_infer_mismatch_helper/mis.yaml."""
+
+
+MIS_MODES = {"truncate": "weight min(ρ, 2)", "clip": "weight clamp(ρ, 0.5, 2)",
+             "mask": "weight ρ, masked outside [0.5, 2] (two-sided)"}
+"""The MIS example's tis_mode values, in words (ρ the level's π_old/μ ratio)."""
+KL_NAMES = {"k1": "mean log(π/π_ref)", "k2": "mean ½ log²(π/π_ref)", "k3": "mean k3(π_ref/π)",
+            "low_var_kl": "mean clamp(k3, ±10)"}
+"""--kl-loss-type values, in words."""
 
 
 def _preset(name: str, summary: str, default: bool = False, **settings: Any) -> Preset:
@@ -240,4 +301,23 @@ PRESETS = (
             "∉ [0.5, 2] rejected, kept ones weighted by it / batch mean; veto 1e-4", use_tis=True,
             eps_clip_high=0.28, custom_tis_function_path=MIS,
             **{**MIS_YAML, "tis_level": "sequence", "rs_level": "sequence", "tis_mode": "mask"}),
+    *(_preset(f"mis-{level}-{mode}", f"the MIS example with tis_level = rs_level = {level}, tis_mode {mode}: "
+              f"{MIS_MODES[mode]}; tokens with ρ outside [0.5, 2] rejected, veto 1e-4; / batch mean",
+              use_tis=True, eps_clip_high=0.28, custom_tis_function_path=MIS,
+              **{**MIS_YAML, "tis_level": level, "rs_level": level, "tis_mode": mode})
+      for level, mode in (("token", "mask"), ("token", "clip"), ("geometric", "truncate"), ("geometric", "mask"))),
+    _preset("gspo", "GSPO (--advantage-estimator gspo --eps-clip 4e-4): PPO clip at 1 ± 4e-4 on the sequence "
+            "ratio exp(mean_t log π/π_old), every token of a sequence sharing it", advantage_estimator="gspo",
+            eps_clip=4e-4, eps_clip_high=4e-4),
+    _preset("cispo", "CISPO (--advantage-estimator cispo, default --eps-clip 0.2): −sg(clip(π/π_old, 0.8, 1.2))"
+            "·A·log π", advantage_estimator="cispo"),
+    _preset("cispo-eps-clip-1-eps-clip-high-4", "CISPO at the setting slime's warning names (--eps-clip 1.0 "
+            "--eps-clip-high 4.0): −sg(min(π/π_old, 5))·A·log π", advantage_estimator="cispo", eps_clip=1.0,
+            eps_clip_high=4.0),
+    *(_preset(f"kl-loss-{kind}", f"PPO clip + 0.001·{KL_NAMES[kind]} (--use-kl-loss --kl-loss-coef 0.001 "
+              f"--kl-loss-type {kind}), π_ref = π_old", use_kl_loss=True, kl_loss_coef=0.001, kl_loss_type=kind)
+      for kind in KL_TYPES),
+    _preset("kl-loss-low_var_kl-unbiased", "PPO clip + 0.001·clamp((π/π_old)·k3, ±10) (--use-kl-loss "
+            "--kl-loss-coef 0.001 --kl-loss-type low_var_kl --use-unbiased-kl), π_ref = π_old", use_kl_loss=True,
+            kl_loss_coef=0.001, kl_loss_type="low_var_kl", use_unbiased_kl=True),
 )

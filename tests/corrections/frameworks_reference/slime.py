@@ -3,7 +3,8 @@
 Read from THUDM/slime at commit 624b824a898ab0ec1fcb4d373004c7f3852bf515:
   slime/backends/megatron_utils/loss.py   policy_loss_function, vanilla_tis_function, icepop_function,
                                           loss_function (the 1/step_global_batch_size scaling)
-  slime/utils/ppo_utils.py                compute_policy_loss, compute_opsm_mask
+  slime/utils/ppo_utils.py                compute_policy_loss, compute_opsm_mask, compute_gspo_kl,
+                                          compute_cispo_loss, compute_approx_kl
   slime/backends/megatron_utils/cp_utils.py   get_sum_of_sample_mean (context parallel size 1)
   slime/observability/train_metric_utils.py   reduce_train_step_metrics (per-rollout mean: / batch size)
   slime/ray/rollout.py, megatron_utils/actor.py   rollout_mask_sums (one sample per rollout: its own mask
@@ -12,8 +13,9 @@ Read from THUDM/slime at commit 624b824a898ab0ec1fcb4d373004c7f3852bf515:
   slime/utils/arguments.py                defaults
 slime needs Megatron and SGLang and cannot be installed here: this module re-expresses those functions in the
 project's code, one list entry per sample as slime holds them, keeping their operations and their order. It
-shares no code with the preset module. Not transcribed: entropy (needs logits), the KL loss (off by default),
-GSPO, CISPO, context parallelism.
+shares no code with the preset module. compute_approx_kl's `.float()` is the identity on slime's float32
+log-probs and is left out, so the float64 inputs stay float64. Not transcribed: entropy (needs logits), context
+parallelism, custom_pg_loss_reducer_function_path, get_mismatch_metrics without --use-tis.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ COMMIT = "624b824a898ab0ec1fcb4d373004c7f3852bf515"
 ARGUMENT_DEFAULTS = {"eps_clip": 0.2, "eps_clip_high": None, "eps_clip_c": None, "use_rollout_logprobs": False,
                      "use_opsm": False, "opsm_delta": 1e-4, "use_tis": False, "tis_clip": 2.0, "tis_clip_low": 0,
                      "custom_tis_function_path": None, "entropy_coef": 0.0, "use_kl_loss": False,
-                     "calculate_per_token_loss": False, "advantage_estimator": "grpo"}
+                     "calculate_per_token_loss": False, "advantage_estimator": "grpo", "kl_loss_coef": 0.0,
+                     "kl_loss_type": "k1", "use_unbiased_kl": False}
 """slime/utils/arguments.py; eps_clip_high None becomes eps_clip after parsing."""
 MIS_YAML = {"use_tis": True, "use_rs": True, "tis_level": "token", "rs_level": "token", "tis_mode": "truncate",
             "tis_lower_bound": 0.5, "tis_upper_bound": 2.0, "rs_lower_bound": None, "rs_upper_bound": None,
@@ -49,6 +52,35 @@ def ppo_clip(ppo_kl, adv, eps, eps_high, eps_c):
     if eps_c is None:
         return clipped, frac
     return torch.where(adv < 0, torch.min(-eps_c * adv, clipped), clipped), frac
+
+
+def gspo_kl(cur, old, masks):
+    kl = [((o - lp) * m).sum() / torch.clamp_min(m.sum(), 1) for lp, o, m in zip(cur, old, masks)]
+    return torch.cat([k.expand_as(lp) for k, lp in zip(kl, cur)], dim=0)
+
+
+def cispo_loss(ppo_kl, log_probs, adv, eps, eps_high):
+    ratio = (-ppo_kl).exp()
+    truncated = torch.clamp(ratio, min=1.0 - eps, max=1.0 + eps_high)
+    return -truncated.detach() * adv * log_probs, (truncated != ratio).float()
+
+
+def approx_kl(log_probs, base, kl_loss_type, importance_ratio=None):
+    log_ratio = log_probs - base
+    if kl_loss_type == "k1":
+        kl = log_ratio
+    elif kl_loss_type == "k2":
+        kl = log_ratio ** 2 / 2.0
+    elif kl_loss_type in ["k3", "low_var_kl"]:
+        log_ratio = -log_ratio
+        kl = log_ratio.exp() - 1 - log_ratio
+    else:
+        raise ValueError(kl_loss_type)
+    if importance_ratio is not None:
+        kl = importance_ratio * kl
+    if kl_loss_type == "low_var_kl":
+        kl = torch.clamp(kl, min=-10, max=10)
+    return kl
 
 
 def opsm(args, cur, old, advs, masks):
@@ -196,18 +228,22 @@ TIS_FUNCTIONS = {None: vanilla_tis, "slime.backends.megatron_utils.loss.icepop_f
                  "examples.train_infer_mismatch_helper.mis.compute_mis_weights_with_cp": mis}
 
 
-def slime_step(args, cur, old_lp, roll_lp, advs, masks):
+def slime_step(args, cur, old_lp, roll_lp, advs, masks, ref_lp=None):
     """One micro-batch of policy_loss_function + loss_function on one rank. cur: per-sample slices of a leaf
     requiring grad (π); old_lp: slime's batch["log_probs"] (π_old); roll_lp: batch["rollout_log_probs"] (μ);
-    masks: torch.int loss masks. Returns (loss, reported metrics, per-token TIS weight, per-token keep)."""
+    ref_lp: batch["ref_log_probs"] (π_ref, for --use-kl-loss); masks: torch.int loss masks. Returns (loss,
+    reported metrics, per-token TIS weight, per-token keep)."""
     denoms = torch.tensor([float(m.sum()) for m in masks], dtype=torch.float32)
     reduce = sample_mean_reducer(masks, denoms)
     anchor = roll_lp if args["use_rollout_logprobs"] else old_lp
     if args["use_opsm"]:
         opsm_keep, opsm_frac = opsm(args, cur, anchor, advs, masks)
     adv, anchor_cat, lp = torch.cat(advs), torch.cat(anchor), torch.cat(cur)
-    ppo_kl = anchor_cat - lp
-    pg, clipfrac = ppo_clip(ppo_kl, adv, args["eps_clip"], args["eps_clip_high"], args["eps_clip_c"])
+    ppo_kl = gspo_kl(cur, anchor, masks) if args["advantage_estimator"] == "gspo" else anchor_cat - lp
+    if args["advantage_estimator"] == "cispo":
+        pg, clipfrac = cispo_loss(ppo_kl, lp, adv, args["eps_clip"], args["eps_clip_high"])
+    else:
+        pg, clipfrac = ppo_clip(ppo_kl, adv, args["eps_clip"], args["eps_clip_high"], args["eps_clip_c"])
     if args["use_opsm"]:
         pg = pg * opsm_keep
     keep = torch.cat(masks).bool()
@@ -225,6 +261,11 @@ def slime_step(args, cur, old_lp, roll_lp, advs, masks):
     pg_loss = reduce(pg)
     reported = {"pg_clipfrac": reduce(clipfrac), "ppo_kl": reduce(ppo_kl)}
     loss = pg_loss  # − entropy_coef · entropy_loss, entropy_coef 0 by default (the entropy needs logits)
+    if args["use_kl_loss"]:
+        ratio = torch.exp(lp - anchor_cat) if args["use_unbiased_kl"] else None
+        kl_loss = reduce(approx_kl(lp, torch.cat(ref_lp), args["kl_loss_type"], importance_ratio=ratio))
+        loss = loss + args["kl_loss_coef"] * kl_loss
+        reported["kl_loss"] = kl_loss
     compare = lp if args["use_rollout_logprobs"] else anchor_cat
     reported["train_rollout_logprob_abs_diff"] = reduce((compare - torch.cat(roll_lp)).abs())
     reported.update({"loss": loss, "pg_loss": pg_loss})
