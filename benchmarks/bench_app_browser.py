@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/bench_app_browser.py                 # every page, Parquet study
     .venv/bin/python benchmarks/bench_app_browser.py --pages corrections overview --store X
 
+The code measured is that of a commit (`--commit`, default HEAD: commit first), extracted under benchmarks/out/.
 First `mismatch-lab app --prepare` fills the study's results cache (mismatch_lab/store/cache.py; wall and CPU
 seconds printed), in a cache folder of its own under benchmarks/out/ (empty at start). Then for each page: a fresh
 `streamlit run apps/streamlit_app.py -- --study STORE` (warm-up thread on, as `mismatch-lab app` runs it), a
@@ -38,7 +39,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "benchmarks" / "out"
-APP = REPO / "apps" / "streamlit_app.py"
 CHROMIUM = "/usr/bin/chromium"
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
          "--disable-component-update", "--disable-sync"]
@@ -68,6 +68,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def snapshot(rev: str) -> Path:
+    """`apps/` and `mismatch_lab/` of commit `rev`, extracted under benchmarks/out/ (once): the code every server
+    and `--prepare` of the run import (PYTHONPATH), so that edits in the working tree during the run neither
+    change what is measured nor, through the results cache's key of the package's sources, empty the cache."""
+    sha = subprocess.run(["git", "rev-parse", rev], check=True, capture_output=True, text=True, cwd=REPO).stdout.strip()
+    dest = OUT / f"app-code-{sha[:12]}"
+    if not (dest / "apps" / "streamlit_app.py").is_file():
+        dest.mkdir(parents=True, exist_ok=True)
+        archive = subprocess.run(["git", "archive", sha, "apps", "mismatch_lab"], check=True, capture_output=True,
+                                 cwd=REPO).stdout
+        subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+    return dest
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of a process so far (/proc/PID/stat fields 14 and 15, in clock ticks)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -76,7 +90,8 @@ def cpu_seconds(pid: int) -> float:
 
 def serve(store: Path, log: Path, env: dict | None = None) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    cmd = [sys.executable, "-m", "streamlit", "run", str(APP), "--server.headless", "true", "--server.port",
+    app = Path((env or {}).get("PYTHONPATH", REPO)) / "apps" / "streamlit_app.py"
+    cmd = [sys.executable, "-m", "streamlit", "run", str(app), "--server.headless", "true", "--server.port",
            str(port), "--server.address", "127.0.0.1", "--browser.gatherUsageStats", "false",
            "--server.fileWatcherType", "none", "--", "--study", str(store)]
     with open(log, "ab") as out:  # the child keeps its own descriptor
@@ -198,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pages", nargs="+", choices=list(PAGES), default=list(PAGES))
     parser.add_argument("--no-tour", action="store_true")
     parser.add_argument("--cold", action="store_true", help="also every page without a disk cache")
+    parser.add_argument("--commit", default="HEAD", help="the commit whose apps/ and mismatch_lab/ are measured")
     parser.add_argument("--refresh", nargs=2, type=int, default=[200, 5], metavar=("M", "N"),
                         help="the refresh figure: a run of M steps, then N new ones (0 0: skip)")
     args = parser.parse_args(argv)
@@ -206,16 +222,19 @@ def main(argv: list[str] | None = None) -> int:
     OUT.mkdir(parents=True, exist_ok=True)
     log = OUT / "bench_app_browser.log"
     log.write_bytes(b"")
-    cached = {"MISMATCH_LAB_CACHE": str(OUT / "app-results-cache")}
+    code = snapshot(args.commit)
+    print(f"code: {args.commit} extracted to {code}", flush=True)
+    cached = {"MISMATCH_LAB_CACHE": str(OUT / "app-results-cache"), "PYTHONPATH": str(code)}
     shutil.rmtree(cached["MISMATCH_LAB_CACHE"], ignore_errors=True)
     load0, report = os.getloadavg(), {}
+    report["commit"] = code.name.removeprefix("app-code-")
     report["prepare"] = prepare(args.store, cached)
     print(f"prepare: {report['prepare']['wall_s']:.1f} s, CPU {report['prepare']['cpu_s']:.1f} s", flush=True)
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=FLAGS)
         report["pages"] = pages(browser, args.store, args.pages, log, cached, "cached")
         if args.cold:
-            report["cold"] = pages(browser, args.store, args.pages, log, {"MISMATCH_LAB_CACHE": "0"}, "cold")
+            report["cold"] = pages(browser, args.store, args.pages, log, {**cached, "MISMATCH_LAB_CACHE": "0"}, "cold")
         if not args.no_tour:
             report["tour"] = {}
             proc, url = serve(args.store, log, cached)

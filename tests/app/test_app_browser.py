@@ -72,7 +72,13 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def served_app(tmp_path_factory, study_dir):
+def server_cache(tmp_path_factory) -> Path:
+    """The served app's results cache folder (MISMATCH_LAB_CACHE), empty at start."""
+    return tmp_path_factory.mktemp("served-results-cache")
+
+
+@pytest.fixture(scope="module")
+def served_app(tmp_path_factory, study_dir, server_cache):
     """`streamlit run apps/streamlit_app.py -- --study <fixture study>` on a free port; yields its URL."""
     _require_browser()
     port = _free_port()
@@ -97,7 +103,8 @@ def served_app(tmp_path_factory, study_dir):
         "--study",
         str(study_dir),
     ]
-    env = dict(os.environ, MISMATCH_LAB_APP_WARMUP="1")  # the real server runs its warm-up thread
+    # the real server runs its warm-up thread; its results cache goes to a folder of this module
+    env = dict(os.environ, MISMATCH_LAB_APP_WARMUP="1", MISMATCH_LAB_CACHE=str(server_cache))
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=env)
     url = f"http://127.0.0.1:{port}"
@@ -208,3 +215,14 @@ def test_the_corrections_page_opens_a_dropped_sequence_in_the_inspector(served_a
     assert page.url.rstrip("/").endswith("/inspector")
     assert page.locator("h1", has_text="Token inspector").count() == 1
     page.screenshot(path=str(SCREENSHOTS / "inspector_from_corrections.png"), full_page=True)
+
+
+def test_the_served_app_keeps_what_it_computed_in_its_results_cache_outside_the_study(
+        served_app, browser_page, server_cache, study_dir):
+    page = browser_page
+    page.goto(f"{served_app}/")
+    _settle(page, "Precision table")
+    _no_exception(page, "overview")
+    entries = list(server_cache.glob("*/*/*.pkl"))  # <store's cache>/<query>/<fingerprint>.pkl
+    assert entries, "the served app wrote no results cache"
+    assert not list(study_dir.rglob(".mismatch-lab-cache*")), "a cache was written into a study that is not ours"
