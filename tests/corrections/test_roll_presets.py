@@ -22,6 +22,9 @@ from frameworks_reference.inputs import (
 
 from mismatch_lab.corrections.frameworks.roll import PRESETS, actor_loss
 
+NAMED = ("enabled", "agg_type", "ratio_enabled", "diff_enabled")
+"""The filter options a preset's name states; every other filter option is at ROLL's default."""
+
 
 @pytest.fixture(scope="module")
 def t():
@@ -30,12 +33,14 @@ def t():
 
 def _compare(t, settings):
     leaf = fresh(t)
-    loss, w, kept, metrics = ref.loss_func(leaf.logp, t.logp_old, t.logp_rollout, t.advantages, t.mask, settings)
+    loss, w, kept, metrics = ref.loss_func(leaf.logp, t.logp_old, t.logp_rollout, t.advantages * t.mask, t.mask,
+                                           settings)
     loss.backward()
     ours_t = fresh(t)
     ours = actor_loss(ours_t, settings)
     ours.loss.backward()
-    assert_same_result(ours_t, ours, loss.item(), leaf.logp.grad, kept.bool(), (w * t.mask).to(ours.weight.dtype),
+    assert_same_result(ours_t, ours, loss.item(), leaf.logp.grad, kept.bool() & t.mask,
+                       (w * t.mask).to(ours.weight.dtype),
                        metrics)
     return ours
 
@@ -64,8 +69,8 @@ def test_the_roll_presets_carry_rolls_config_defaults():
     assert default.settings["train_infer_correction"] == {"is_weight": ref.IS_WEIGHT, "filters": []}
     for p in PRESETS:
         for f in p.settings["train_infer_correction"]["filters"]:
-            assert {k: v for k, v in f.items() if k not in ("enabled", "agg_type", "diff_enabled")} == \
-                {k: v for k, v in ref.FILTER.items() if k not in ("enabled", "agg_type", "diff_enabled")}
+            assert {k: v for k, v in f.items() if k not in NAMED} == \
+                {k: v for k, v in ref.FILTER.items() if k not in NAMED}
 
 
 def test_a_fully_filtered_sequence_adds_nothing_but_still_counts_in_the_sequence_mean():
@@ -76,3 +81,20 @@ def test_a_fully_filtered_sequence_adds_nothing_but_still_counts_in_the_sequence
     assert out.keep[0].all() and not out.keep[1].any()
     assert out.metrics["actor/valid_sample_ratio@sum"] == 0.5
     assert rel_close(out.loss.item(), -1.0 / (2 + 1e-8))  # (−1 + 0) over both sequences
+
+
+def test_token_mean_keeps_the_filtered_tokens_in_the_loss_as_roll_does(t):
+    by_name = {p.name: p for p in PRESETS}
+    filtered = by_name["roll/filter-token-ratio"](fresh(t))
+    token_mean = by_name["roll/token-mean-filter-token-ratio"](fresh(t))
+    assert (t.mask & ~filtered.keep).any() and torch.equal(token_mean.keep, t.mask)
+    assert rel_close(token_mean.loss.item(), by_name["roll/token-mean"](fresh(t)).loss.item())
+    assert token_mean.metrics["actor/train_infer_final_mask_mean"] < 1
+
+
+def test_the_delta_p_filter_alone_keeps_low_probability_tokens_the_ratio_filter_drops(t):
+    by_name = {p.name: p for p in PRESETS}
+    diff = by_name["roll/filter-token-diff"](fresh(t))
+    ratio = by_name["roll/filter-token-ratio"](fresh(t))
+    assert (diff.keep & ~ratio.keep).any() and (t.mask & ~diff.keep).any()
+    assert "actor/train_infer_token_ratio_mask_mean@sum" not in diff.metrics

@@ -23,9 +23,12 @@ train_infer_{ratio,diff}_{token,geometric,sequence,segment}_mean, is_weight_clip
 train_infer_{agg}_{ratio,diff}_mask_mean, train_infer_final_mask_mean. ROLL's `token-mean` sums the whole
 [B, T] grid without the mask (is_weight_clipfrac and the filter pass rates: padding counts where a
 sequence-level value broadcasts onto it, or r = 1 passes a filter there); reproduced on the batch as given.
+loss_agg_mode `token-mean` (the roll/token-mean* presets): agg_loss sums the whole loss grid over the
+unfiltered response-token count without reading the mask, so the filters drop nothing from the loss (Result.keep
+is the whole response there); padding adds 0 because compute_advantage multiplies A by the response mask (A
+outside the mask is taken as 0 here, whatever the batch holds). clipfrac, approxkl and policykl follow the mode.
 Not reproduced: kl_loss (needs π_ref; use_kl_loss is off by default), entropy, sample weights (1 by default),
-the `token-mean` loss_agg_mode for the loss itself (its numerator ignores the mask, so it depends on what
-ROLL leaves in padded positions).
+the seq-mean-token-sum(-norm) modes, use_pg_clip_range (off by default).
 """
 
 from __future__ import annotations
@@ -120,31 +123,43 @@ def _ratio(t: Tokens, m: torch.Tensor, s: Mapping[str, Any]) -> torch.Tensor:
     raise ValueError(f"ROLL has no importance_sampling {s['importance_sampling']!r} (token, seq)")
 
 
+def _token_mean(x: torch.Tensor, m: torch.Tensor, n_tokens: float) -> torch.Tensor:
+    """agg_loss 'token-mean' of a loss matrix: the grid's sum over the unfiltered token count, the mask not read
+    (padding adds 0: compute_advantage leaves A = 0 there, so every term of the loss is 0)."""
+    return torch.where(m.bool(), x, 0.0).sum() / n_tokens
+
+
+AGG_LOSS = {"seq-mean-token-mean": lambda x, m, keep, n_seqs, n_tokens: _seq_mean_token_mean(x, m * keep, n_seqs),
+            "token-mean": lambda x, m, keep, n_seqs, n_tokens: _token_mean(x, m, n_tokens)}
+"""loss_agg_mode → agg_loss of the [B, T] loss (response mask m, filter keep): the modes reproduced."""
+
+
 def actor_loss(t: Tokens, s: Mapping[str, Any]) -> Result:
     """ActorWorker.loss_func's PPO loss with the train-infer correction; formula in the module docstring."""
-    if s["loss_agg_mode"] != "seq-mean-token-mean":
-        raise ValueError(f"loss_agg_mode {s['loss_agg_mode']!r} is not reproduced (seq-mean-token-mean only)")
+    if s["loss_agg_mode"] not in AGG_LOSS:
+        raise ValueError(f"loss_agg_mode {s['loss_agg_mode']!r} is not reproduced ({', '.join(AGG_LOSS)})")
+    agg = AGG_LOSS[s["loss_agg_mode"]]
     m0 = t.mask.long()
     n_seqs, n_tokens = max(float((m0.sum(-1) > 0).sum()), 1.0), max(float(m0.sum()), 1.0)
     w, keep, metrics = train_infer_correction(t, m0, s["train_infer_correction"], n_seqs, n_tokens)
     m = m0 * keep.long()
     ratio = _ratio(t, m, s)
-    a, clip = t.advantages, s["pg_clip"]
+    a, clip = t.advantages * m0, s["pg_clip"]
     surr1, surr2 = ratio * a, ratio.clamp(1 - clip, 1 + clip) * a
     loss = -torch.min(surr1, surr2)
     if s["dual_clip_loss"]:
         loss = torch.where(a < 0, -torch.max(-loss, (1 + clip * 2) * a), loss)
     if s["train_infer_correction"]["is_weight"]["enabled"]:
         loss = loss * w
-    pg = _seq_mean_token_mean(loss, m, n_seqs)
+    pg = agg(loss, m0, keep.long(), n_seqs, n_tokens)
     log_r = t.logp - t.logp_old
     with torch.no_grad():
         high, low = (ratio > 1 + clip).float(), (ratio < 1 - clip).float()
         valid = (m > 0).any(-1).float()
         metrics |= {"actor/pg_loss@sum": pg.item(), "actor/weighted_pg_loss@sum": pg.item(),
                     "actor/total_loss@sum": pg.item(),
-                    "actor/approxkl@sum": _seq_mean_token_mean(0.5 * log_r.square() * m, m, n_seqs).item(),
-                    "actor/policykl@sum": _seq_mean_token_mean(log_r * m, m, n_seqs).item(),
+                    "actor/approxkl@sum": agg(0.5 * log_r.square() * m, m0, keep.long(), n_seqs, n_tokens).item(),
+                    "actor/policykl@sum": agg(log_r * m, m0, keep.long(), n_seqs, n_tokens).item(),
                     "actor/valid_samples@sum": valid.sum().item(), "actor/total_samples@sum": float(m.shape[0]),
                     "actor/valid_sample_ratio@sum": (valid.sum() / n_seqs).item(),
                     "actor/ppo_ratio_high_clipfrac@sum": _grid_mean(high, n_tokens),
@@ -153,8 +168,10 @@ def actor_loss(t: Tokens, s: Mapping[str, Any]) -> Result:
                     "actor/ratio_mean@sum": _seq_mean_token_mean(ratio, m, n_seqs).item(),
                     "actor/ratio_max@max": (ratio * m).max().item(),
                     "actor/ratio_min@min": (ratio * m + (1 - m) * 1e10).min().item(),
-                    "actor/clipfrac@sum": _seq_mean_token_mean(torch.lt(surr2, surr1).float(), m, n_seqs).item()}
-    return Result(pg * s["rl_loss_coef"], keep.bool() & t.mask, (w * m0).detach(), metrics)
+                    "actor/clipfrac@sum": agg(torch.lt(surr2, surr1).float(), m0, keep.long(), n_seqs,
+                                              n_tokens).item()}
+    in_loss = keep.bool() if s["loss_agg_mode"] == "seq-mean-token-mean" else torch.ones_like(t.mask)
+    return Result(pg * s["rl_loss_coef"], in_loss & t.mask, (w * m0).detach(), metrics)
 
 
 _IS = {"enabled": False, "weight_type": "token", "upper_bound": 1.2, "detach": True}
@@ -180,6 +197,17 @@ PRESETS = (
     Preset("roll/filter-token-ratio", "roll", SOURCE,
            "PPO-clip 0.2 on π/π_old; tokens with π_old/μ outside [0.8, 1.2] dropped",
            _with(agg_type="token"), actor_loss),
+    Preset("roll/token-mean", "roll", SOURCE,
+           "PPO-clip 0.2 on π/π_old, no IS; loss_agg_mode token-mean: Σ over the batch / its response tokens",
+           {**_BASE, "loss_agg_mode": "token-mean"}, actor_loss),
+    Preset("roll/token-mean-filter-token-ratio", "roll", SOURCE,
+           "token-mean with the token ratio filter: the filter drops nothing from the loss (token-mean does not "
+           "read the mask), only from approxkl/policykl and the ratio metrics",
+           {**_with(agg_type="token"), "loss_agg_mode": "token-mean"}, actor_loss),
+    Preset("roll/filter-token-diff", "roll", SOURCE,
+           "PPO-clip 0.2; tokens with π_old − μ outside [−0.2, 0.2] dropped (the Δp filter alone: "
+           "ratio_enabled false, diff_enabled true)", _with(agg_type="token", ratio_enabled=False, diff_enabled=True),
+           actor_loss),
     Preset("roll/filter-token-ratio-diff", "roll", SOURCE,
            "PPO-clip 0.2; tokens with π_old/μ outside [0.8, 1.2] or π_old − μ outside [−0.2, 0.2] dropped",
            _with(agg_type="token", diff_enabled=True), actor_loss),

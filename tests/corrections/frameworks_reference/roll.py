@@ -124,7 +124,9 @@ def train_infer_correction(cfg, response_mask, old, infer, gvs, gvt):
 
 
 def loss_func(log_probs, old_log_probs, infer_log_probs, advantages, mask, cfg):
-    """ActorWorker.loss_func: (total_loss, is_weight, filtered response mask, metrics)."""
+    """ActorWorker.loss_func: (total_loss, is_weight, the positions agg_loss reads (token-mean: the whole grid,
+    its mask unread; else the filtered response mask), metrics). `advantages` as compute_advantage leaves them:
+    multiplied by the response mask."""
     response_mask = mask.long()
     gvs = max(float((response_mask.sum(dim=-1) > 0).float().sum()), 1.0)  # counted before the filter
     gvt = max(float(response_mask.float().sum()), 1.0)
@@ -172,4 +174,5 @@ def loss_func(log_probs, old_log_probs, infer_log_probs, advantages, mask, cfg):
         "actor/valid_sample_ratio@sum": (valid_samples.sum() / gvs).item(),
         **ti,
     }
-    return total, is_w, final_response_mask, metrics
+    in_loss = torch.ones_like(final_response_mask) if mode == "token-mean" else final_response_mask
+    return total, is_w, in_loss, metrics
