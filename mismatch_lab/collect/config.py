@@ -13,7 +13,8 @@ CHUNK_TOKENS = {"cpu": 4096, "cuda": 262144}  # token budget of a chunk by devic
 RUN_LOCAL = ("db", "device", "rollout_dtypes", "gpu_memory_utilization", "memory_plan")
 """Fields that do not determine a run's rows: left out of the run id (adding a rollout dtype to a study
 later does not redo the runs already there)."""
-IN_RUN_ID_UNLESS_DEFAULT = ("min_tokens", "rollout_weights", "temperature", "top_p", "sample_top_k", "logprobs_mode")
+IN_RUN_ID_UNLESS_DEFAULT = ("min_tokens", "rollout_weights", "temperature", "top_p", "sample_top_k", "logprobs_mode",
+                            "routing")
 """Fields added after studies were stored: hashed only when set, so the run ids of those studies stay."""
 
 
@@ -50,6 +51,7 @@ class CollectConfig:
     data_parallel_size: int = 1  # vLLM's own data parallelism
     memory_plan: str = "check"  # check: refuse a plan that cannot fit | off: print nothing, check nothing
     trust_remote_code: bool = False
+    routing: str = ""  # MoE expert routing into the routing table: on | off; '' = on for an MoE checkpoint, else off
 
     def validate(self) -> None:
         if self.engine not in ("vllm", "hf"):
@@ -74,6 +76,8 @@ class CollectConfig:
             raise UserError(f"--min-tokens {self.min_tokens} must be between 0 and --max-tokens {self.max_tokens}")
         if not 0.0 <= self.gpu_memory_utilization < 1.0:
             raise UserError("--gpu-memory-utilization must be in (0, 1), or 0 for the memory plan's value")
+        if self.routing not in ("", "on", "off"):
+            raise UserError(f"--routing {self.routing}: use 'on' or 'off'")
         if self.memory_plan not in ("check", "off"):
             raise UserError("--memory-plan: use 'check' or 'off'")
         if self.top_k < 0 or self.top_k > 20:
@@ -176,7 +180,8 @@ def add_arguments(parser) -> None:
            "channel (fp8) or to bfloat16 (bf16); the scorers keep the checkpoint's")
     a("--scorer-dtypes", dest="scorer_dtypes",
       help="comma list of bf16,fp16,fp32 (HF trainer), <dtype>-w<rounding> (HF at <dtype> on weights rounded "
-           "to bf16|fp16|fp8, e.g. fp32-wbf16) and vllm:<dtype> (vLLM prefill)")
+           "to bf16|fp16|fp8, e.g. fp32-wbf16), <dtype>-r3 (HF replaying the rollout's MoE routing, R3) and "
+           "vllm:<dtype> (vLLM prefill)")
     a("--top-k", dest="top_k", type=int, help="top-K recorded per token, 0..20 (default 20)")
     a("--temperature", type=float, help="the rollout's sampling temperature (default 1); the scorers' π stays at T=1")
     a("--top-p", dest="top_p", type=float, help="the rollout's nucleus sampling, in (0, 1] (default 1 = off)")
@@ -201,6 +206,9 @@ def add_arguments(parser) -> None:
     a("--tensor-parallel-size", dest="tensor_parallel_size", type=int, help="vLLM tensor parallelism (default 1)")
     a("--data-parallel-size", dest="data_parallel_size", type=int, help="vLLM data parallelism (default 1)")
     a("--memory-plan", dest="memory_plan", choices=["check", "off"], help="check (default) or off")
+    a("--routing", choices=["on", "off"],
+      help="record the MoE expert routing of the rollout and of every HF scorer (routing table; default: on for an "
+           "MoE checkpoint); needed by the R3 scorer hf:<dtype>-r3")
     a("--trust-remote-code", dest="trust_remote_code", action="store_true", default=None)
     a("--verbose", action="store_true", help="show the engines' own logs and loading bars")
     a("--no-progress", dest="no_progress", action="store_true")

@@ -50,6 +50,7 @@ class Job:
     vllm_dtypes: list[str]
     device: str
     base_cfg: dict = field(default_factory=dict)
+    routing: bool = False  # record MoE routing (routing table); R3 scorers need it
 
 
 @dataclass
@@ -84,12 +85,29 @@ def prepare(cfg: CollectConfig, *, verbose: bool = False, weights: bool = True) 
     chunks = make_chunks(keep, prompt_ids, samples=cfg.samples, max_tokens=cfg.max_tokens,
                          budget=cfg.chunk_budget(device), chunk_prompts=cfg.chunk_prompts)
     job = Job(cfg, prompts, model, tokenizer, model_config, max_len, prompt_ids, skipped, chunks, hf_dtypes,
-              vllm_dtypes, device)
+              vllm_dtypes, device, routing=routing_on(cfg, model_config, hf_dtypes))
     # the run id hashes what determines a run's rows (RUN_LOCAL fields do not)
     job.base_cfg = run_identity(cfg, leave_out=RUN_LOCAL, unless_default=IN_RUN_ID_UNLESS_DEFAULT)
     job.base_cfg.update(model_resolved=model, prompts_sha256=_file_sha(cfg.prompts), chat_template=templated,
                         max_model_len_used=max_len, chunk_tokens=0 if cfg.chunk_prompts else cfg.chunk_budget(device))
     return job
+
+
+def routing_on(cfg: CollectConfig, model_config: dict, hf_dtypes: list[str]) -> bool:
+    """Whether the run records MoE routing: --routing, default on for an MoE checkpoint; UserError for --routing on
+    with a dense model, and for an R3 scorer (hf:<dtype>-r3) on a dense model or with --routing off."""
+    from mismatch_lab.routing.record import MOE_CONFIG_KEYS, is_moe
+    from mismatch_lab.scoring import is_replay
+
+    moe = is_moe(model_config)
+    replay = [f"hf:{d}" for d in hf_dtypes if is_replay(d)]
+    if not moe and (cfg.routing == "on" or replay):
+        what = "--routing on" if cfg.routing == "on" else f"the R3 scorer {replay[0]}"
+        raise UserError(f"{what}: {cfg.model} is not an MoE model (its config has none of {', '.join(MOE_CONFIG_KEYS)}); "
+                        "drop it or pass an MoE checkpoint, e.g. `mismatch-lab model tiny-moe --out DIR`")
+    if replay and cfg.routing == "off":
+        raise UserError(f"the R3 scorer {replay[0]} replays the recorded rollout routing: drop --routing off or the scorer")
+    return moe and cfg.routing != "off"
 
 
 def resolve_device(device: str) -> str:
@@ -254,13 +272,50 @@ def _one_chunk(job: Job, writer, run: PendingRun, c: int, engine, work, texts) -
                for smp in engine.generate(reqs[b:b + step], max_tokens=cfg.max_tokens, top_k=cfg.top_k,
                                              min_tokens=cfg.min_tokens)]
     items = [ScoreItem(r.prompt_ids, s.token_ids, s.topk_ids) for r, s in zip(reqs, samples)]
+    rollout = _rollout_routing(job, engine, items)
     scored = work.scorer.score(items) if work.scorer else {}
     for vd in job.vllm_dtypes:
         scored[f"vllm:{vd}"] = prefill_scores(work.engine("vllm", vd), items, cfg.top_k)
     seqs, toks, scs = build_tables(run.run_id, seq_rows, samples, scored, texts)
+    routing = _routing_rows(run.run_id, seq_rows, items, rollout, scored) if job.routing else None
     writer.write_chunk(run.run_id, c, sequences=seqs, tokens=toks, scores=scs, seconds=time.perf_counter() - tc,
-                       skipped=job.skipped if c == 0 else ())
+                       skipped=job.skipped if c == 0 else (), routing=routing)
     return toks.num_rows
+
+
+def _rollout_routing(job: Job, engine, items) -> list | None:
+    """The rollout engine's routing of every token of each item (routing.record.rollout_routings), set on the items
+    for an R3 scorer; None with routing off."""
+    if not job.routing:
+        return None
+    from mismatch_lab.routing.record import rollout_routings
+
+    out = rollout_routings(job.cfg.engine, engine, [list(it.prompt_ids) + list(it.response_ids) for it in items])
+    for it, r in zip(items, out):
+        it.rollout_routing = r
+    return out
+
+
+def _routing_rows(run_id: str, seq_rows: list[dict], items, rollout: list, scored: dict):
+    """The chunk's `routing` rows: the rollout's (its routing of every token, response positions kept) and each
+    scorer's that recorded one (its response rows)."""
+    import pyarrow as pa
+
+    from mismatch_lab.routing.compare import Routing
+    from mismatch_lab.routing.record import routing_table
+    from mismatch_lab.scoring.positions import predicting_positions
+    from mismatch_lab.store.schema import ROUTING_ROLLOUT_SIDE
+
+    seq_ids = [r["seq_id"] for r in seq_rows]
+    lens = [len(it.response_ids) for it in items]
+    starts = [int(predicting_positions(len(it.prompt_ids), 1)[0]) for it in items]
+    tables = [routing_table(run_id, ROUTING_ROLLOUT_SIDE, seq_ids, rollout, starts, lens)]
+    for name, st in scored.items():
+        if st.routing is not None:
+            r = st.routing
+            per_seq = [Routing(r.ids[st.rows(i)], r.weights[st.rows(i)], r.margin[st.rows(i)]) for i in range(len(items))]
+            tables.append(routing_table(run_id, name, seq_ids, per_seq, [0] * len(items), lens))
+    return pa.concat_tables(tables)
 
 
 class _Workers:
@@ -277,7 +332,8 @@ class _Workers:
         cfg = self.job.cfg
         return HFScorer(self.job.model, self.job.hf_dtypes, device=self.job.device, top_k=cfg.top_k,
                         chunk_rows=cfg.score_chunk_rows, batch_tokens=cfg.score_batch_tokens,
-                        placement=self.plan.placement if self.plan else "resident", sampling=cfg.sampling_rule())
+                        placement=self.plan.placement if self.plan else "resident", sampling=cfg.sampling_rule(),
+                        routing=self.job.routing)
 
     def scorer_config(self):
         return self.scorer.config() if self.scorer else None

@@ -106,3 +106,37 @@ def load_hf(model_dir: str, dtype: str = "fp32"):
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, TORCH_DTYPES[dtype]))
     return model.eval()
+
+
+@contextmanager
+def captured_rows(model):
+    """Capture the routing of the model's forwards in the context; yields `take(rows)`: the Routing of the flat
+    rows `rows` (batch index * padded length + position, the rows the MoE blocks see) of the last forward, which
+    it then forgets (a scorer keeps only its response rows, micro-batch after micro-batch)."""
+    blocks = moe_blocks(model)
+    with _captured(blocks) as (logits, used):
+        def take(rows: np.ndarray) -> Routing:
+            k = used[0][-1][0].shape[-1]
+            routing = Routing(ids=np.stack([u[-1][0].cpu().numpy()[rows] for u in used], axis=1),
+                              weights=np.stack([u[-1][1].cpu().numpy()[rows] for u in used], axis=1),
+                              margin=np.stack([margins(g[-1].cpu().numpy()[rows], k) for g in logits], axis=1))
+            for calls in (*logits, *used):
+                calls.clear()
+            return routing
+
+        yield take
+
+
+@contextmanager
+def replayed_batch(model, routings: list[Routing], width: int):
+    """R3 replay on a right-padded batch: row b * width + t gets `routings[b]`'s expert ids of token t (every token
+    of the sequence, prompt included); a padding row gets its sequence's first token's ids (it is never read).
+    The weights are the model's own router softmax gathered at those ids (`_replayed`, use_weights=False)."""
+    rows = []
+    for r in routings:
+        pad = np.repeat(r.ids[:1], width - r.ids.shape[0], axis=0)
+        rows.append(np.concatenate([r.ids, pad]))
+    ids = np.concatenate(rows)
+    replay = Routing(ids=ids, weights=np.zeros(ids.shape), margin=np.zeros(ids.shape[:2]))
+    with _replayed(moe_blocks(model), replay, use_weights=False):
+        yield

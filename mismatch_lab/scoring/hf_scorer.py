@@ -40,6 +40,14 @@ REF_DTYPE = "fp32"
 SCORE_BATCH_TOKENS = 8192  # padded tokens per scorer forward (the default of --score-batch-tokens)
 SCORE_CHUNK_ROWS = 1024  # rows per chunk of the vocabulary projection (the default of --score-chunk-rows)
 PLACEMENTS = ("resident", "in_turn", "auto")
+REPLAY_SUFFIX = "-r3"
+"""A scorer dtype ending in it ('fp32-r3') is the R3 replay scorer: its forward takes the rollout's expert ids in
+every MoE layer (routing.hf.replayed_batch), weights recomputed by its own router."""
+
+
+def is_replay(dtype: str) -> bool:
+    """Whether scorer dtype `dtype` is an R3 replay scorer ('fp32-r3')."""
+    return dtype.endswith(REPLAY_SUFFIX)
 
 
 def split_dtype(spec: str) -> tuple[str, str]:
@@ -47,10 +55,11 @@ def split_dtype(spec: str) -> tuple[str, str]:
     'fp32-wbf16' -> ('fp32', 'bf16'). Raises ValueError for an unknown dtype or rounding."""
     from mismatch_lab.engines.weights import ROUNDERS
 
-    compute, sep, rounding = spec.partition("-w")
+    compute, sep, rounding = spec.removesuffix(REPLAY_SUFFIX).partition("-w")
     if compute not in TORCH_DTYPES or (sep and rounding not in ROUNDERS):
         raise ValueError(f"unknown scorer dtype {spec!r}; use bf16, fp16 or fp32, or <dtype>-w<rounding> with a "
-                         f"rounding of {', '.join(ROUNDERS)} (e.g. fp32-wbf16)")
+                         f"rounding of {', '.join(ROUNDERS)} (e.g. fp32-wbf16), each optionally followed by "
+                         f"{REPLAY_SUFFIX} (R3 replay of the rollout's MoE routing)")
     return compute, rounding if sep else "none"
 
 
@@ -61,6 +70,7 @@ class ScoreItem:
     prompt_ids: list[int]
     response_ids: list[int]
     rollout_topk_ids: list[list[int]] | None = None
+    rollout_routing: object = None  # routing.compare.Routing of every token (prompt + response): R3 replays it
 
 
 @dataclass
@@ -95,6 +105,7 @@ class ScoredTokens:
     logps_at_ref_topk: Ragged | None = None
     log_support: np.ndarray | None = None  # log S under this scorer's π for the rollout's sampling rule
     logp_support: np.ndarray | None = None  # log π restricted to that support, renormalised (-inf outside)
+    routing: object = None  # routing.compare.Routing of the N response rows (the scorer's own forward), or None
 
     def rows(self, s: int) -> slice:
         return slice(int(self.offsets[s]), int(self.offsets[s + 1]))
@@ -105,7 +116,7 @@ class HFScorer:
 
     def __init__(self, model: str, dtypes: Sequence[str], *, device: str | None = None, top_k: int = 20,
                  chunk_rows: int = SCORE_CHUNK_ROWS, batch_tokens: int = SCORE_BATCH_TOKENS,
-                 models: dict | None = None, placement: str = "resident", sampling=None):
+                 models: dict | None = None, placement: str = "resident", sampling=None, routing: bool = False):
         import torch
 
         for d in dtypes:
@@ -119,8 +130,13 @@ class HFScorer:
         self.chunk_rows = chunk_rows
         self.batch_tokens = batch_tokens
         self.sampling = sampling  # scoring.support.SamplingRule: log S per token where it restricts
+        self.routing = routing  # capture each dtype's MoE routing of the response rows (ScoredTokens.routing)
         self.ref = REF_DTYPE if REF_DTYPE in self.dtypes else None
-        self.models = {d: (models or {}).get(d) or self._load(model, d) for d in self.dtypes}
+        self.models = {}
+        for d in sorted(self.dtypes, key=is_replay):  # a replay scorer shares its dtype's model when there is one
+            base = d.removesuffix(REPLAY_SUFFIX)
+            self.models[d] = (models or {}).get(d) or self.models.get(base) or self._load(model, base)
+        self.models = {d: self.models[d] for d in self.dtypes}
         for m in self.models.values():
             self._check_supported(m)
         self._refresh_heads()
@@ -164,7 +180,7 @@ class HFScorer:
         return {"scorer_dtypes": self.dtypes, "ref": f"hf:{self.ref}" if self.ref else None,
                 "chunk_rows": self.chunk_rows, "batch_tokens": self.batch_tokens, "device": self.device,
                 "placement": self.placement,
-                "support": self.sampling.config() if self._support() else None,
+                "support": self.sampling.config() if self._support() else None, "routing": self.routing,
                 "pi_definition": "log_softmax in fp32 of (h @ W.T) computed in the scorer dtype"}
 
     def _support(self) -> bool:
@@ -197,29 +213,61 @@ class HFScorer:
     def score(self, items: Sequence[ScoreItem]) -> dict[str, ScoredTokens]:
         """Score every item with every dtype; returns scorer name ('hf:<dtype>') -> ScoredTokens (item order)."""
         batches = [b for b in self.micro_batches(items) if any(items[i].response_ids for i in b)]
-        hidden = {d: self._hidden_states(d, items, batches) for d in self.dtypes}  # phase 1: decoders in turn
+        routed = {d: [] for d in self.dtypes}  # per dtype, the Routing of each micro-batch's response rows
+        hidden = {d: self._hidden_states(d, items, batches, routed[d]) for d in self.dtypes}  # phase 1: in turn
         out = _Assembly(items, self.dtypes)
         for k, idx in enumerate(batches):  # phase 2: the vocabulary projection of each micro-batch
             out.add(idx, self._stats(items, idx, {d: hidden[d][k] for d in self.dtypes}))
         scored = out.finish()
+        for d in self.dtypes:
+            if routed[d]:
+                scored[f"hf:{d}"].routing = out.routing(routed[d])
         for name, st in scored.items():
             check_scored(name, st)
         return scored
 
-    def _hidden_states(self, dtype: str, items, batches) -> list:
-        """Final hidden states [n_rows, H] of the rows predicting response tokens, per micro-batch, at `dtype`."""
+    def _hidden_states(self, dtype: str, items, batches, routed: list) -> list:
+        """Final hidden states [n_rows, H] of the rows predicting response tokens, per micro-batch, at `dtype`;
+        with routing on, each micro-batch's Routing of those rows appended to `routed`."""
         import torch
 
         keep = "cpu" if self.placement == "in_turn" else self.device
         out = []
-        with self._turn(dtype) as model, torch.no_grad():
+        with self._turn(dtype) as model, torch.no_grad(), self._capture(model) as take:
             decoder = model.get_decoder()
             dev = decoder.get_input_embeddings().weight.device
             for idx in batches:
                 ids, attn, rb, rt = _padded([items[i] for i in idx])
-                h = decoder(input_ids=ids.to(dev), attention_mask=attn.to(dev)).last_hidden_state
+                with self._replay(dtype, model, [items[i] for i in idx], ids.shape[1]):
+                    h = decoder(input_ids=ids.to(dev), attention_mask=attn.to(dev)).last_hidden_state
                 out.append(h[rb.to(h.device), rt.to(h.device)].to(keep))
+                if take is not None:  # the MoE blocks see the batch as [B * L] rows
+                    routed.append(take((rb * ids.shape[1] + rt).numpy()))
         return out
+
+    @contextmanager
+    def _capture(self, model):
+        """Yields routing.hf.captured_rows' `take` with routing on, else None."""
+        if not self.routing:
+            yield None
+            return
+        from mismatch_lab.routing.hf import captured_rows
+
+        with captured_rows(model) as take:
+            yield take
+
+    @contextmanager
+    def _replay(self, dtype: str, model, seqs: list[ScoreItem], width: int):
+        """An R3 scorer's forward with the rollout's expert ids forced (routing.hf.replayed_batch); else as is."""
+        if not is_replay(dtype):
+            yield
+            return
+        if any(s.rollout_routing is None for s in seqs):
+            raise ValueError(f"scorer hf:{dtype} replays the rollout's routing: every ScoreItem needs rollout_routing")
+        from mismatch_lab.routing.hf import replayed_batch
+
+        with replayed_batch(model, [s.rollout_routing for s in seqs], width):
+            yield
 
     @contextmanager
     def _turn(self, dtype: str):
@@ -323,6 +371,15 @@ class _Assembly:
         dest = np.concatenate([np.arange(self.offsets[i], self.offsets[i + 1]) for i in idx])
         self.parts.append((dest, res))
 
+    def routing(self, parts: list):
+        """One dtype's per-micro-batch Routing of response rows (the order of `add`) -> one Routing in item order."""
+        from mismatch_lab.routing.compare import Routing
+
+        n = int(self.offsets[-1])
+        dest = [d for d, _ in self.parts]
+        col = lambda get: _scatter_nd(n, [(d, get(r)) for d, r in zip(dest, parts)])
+        return Routing(ids=col(lambda r: r.ids), weights=col(lambda r: r.weights), margin=col(lambda r: r.margin))
+
     def finish(self) -> dict[str, ScoredTokens]:
         return {f"hf:{d}": self._one(d) for d in self.dtypes}
 
@@ -380,4 +437,12 @@ def _scatter(n: int, parts: list, dtype=np.float64) -> np.ndarray:
             out[dest, : a.shape[1]] = a
         else:
             out[dest] = a
+    return out
+
+
+def _scatter_nd(n: int, parts: list) -> np.ndarray:
+    """Rows of each numpy part [rows, ...] placed at their destination rows of an [n, ...] array."""
+    out = np.zeros((n, *parts[0][1].shape[1:]), dtype=parts[0][1].dtype)
+    for dest, a in parts:
+        out[dest] = a
     return out
