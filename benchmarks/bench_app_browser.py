@@ -90,12 +90,13 @@ def cpu_seconds(pid: int) -> float:
 
 def serve(store: Path, log: Path, env: dict | None = None) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    app = Path((env or {}).get("PYTHONPATH", REPO)) / "apps" / "streamlit_app.py"
+    code = Path((env or {}).get("PYTHONPATH", REPO))  # run in the code's folder: `-m` puts the cwd first on sys.path
+    app = code / "apps" / "streamlit_app.py"
     cmd = [sys.executable, "-m", "streamlit", "run", str(app), "--server.headless", "true", "--server.port",
            str(port), "--server.address", "127.0.0.1", "--browser.gatherUsageStats", "false",
            "--server.fileWatcherType", "none", "--", "--study", str(store)]
     with open(log, "ab") as out:  # the child keeps its own descriptor
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=code,
                                 env={**os.environ, "MISMATCH_LAB_APP_WARMUP": "1", **(env or {})})
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
@@ -137,7 +138,7 @@ def prepare(store: Path, env: dict) -> dict:
     """`mismatch-lab app --prepare` into the (empty) cache folder of `env`: wall and CPU seconds."""
     r0, t0 = os.times(), time.perf_counter()
     subprocess.run([str(Path(sys.executable).with_name("mismatch-lab")), "app", "--prepare", "--study", str(store)],
-                   check=True, cwd=REPO, env=dict(os.environ, **env), stdout=subprocess.DEVNULL,
+                   check=True, cwd=env.get("PYTHONPATH", REPO), env=dict(os.environ, **env), stdout=subprocess.DEVNULL,
                    stderr=subprocess.DEVNULL)
     r1 = os.times()
     return {"wall_s": time.perf_counter() - t0, "cpu_s": r1.children_user + r1.children_system
