@@ -11,8 +11,10 @@ with neither run twice, with A = +1 and A = −1: a token counts as kept only wh
 Metrics: a framework logs them per batch; here each is the mean over the parts weighted by the parts'
 response tokens (its max/min statistics included: verl, too, averages its micro-batches' metrics); a part
 whose value is NaN is left out of that metric's mean (e.g. verl's token-mean loss of a part in which every
-token was rejected: 0/0), and the metric is NaN (null in JSON) when every part's was. Kept sequences:
-sequences with at least one kept token.
+token was rejected: 0/0), and the metric is NaN (null in JSON) when every part's was. Counts (COUNTS: numbers
+of tokens or sequences, which a token-weighted mean would turn into a number of no batch) are summed over the
+parts instead: the row's `summed_metrics` names them and `n_batches` is the number of parts they add over.
+Kept sequences: sequences with at least one kept token.
 """
 
 from __future__ import annotations
@@ -28,8 +30,17 @@ from mismatch_lab.corrections.frameworks import Preset, Tokens
 from mismatch_lab.corrections.layout import chunks, pair_info
 
 COLUMNS = ("preset", "framework", "default", "rollout", "scorer", "n_tokens", "n_seqs", "kept_token_share",
-           "kept_seq_share", "advantage_source", "metrics")
-"""The columns of the `presets` table (`metrics`: {the framework's metric name: value})."""
+           "kept_seq_share", "advantage_source", "metrics", "summed_metrics", "n_batches")
+"""The columns of the `presets` table (`metrics`: {the framework's metric name: value}; `summed_metrics`: the
+names among them that are counts summed over the `n_batches` batches, every other one a token-weighted mean)."""
+
+COUNTS: dict[str, frozenset[str]] = {
+    "areal": frozenset({"n_valid_tokens", "clipped_tokens", "dual_clipped_tokens", "unclipped_behave_tokens"}),
+    "nemo-rl": frozenset({"num_valid_samples", "num_masked_seqs_by_logprob_error"}),
+    "roll": frozenset({"actor/valid_samples@sum", "actor/total_samples@sum"}),
+}
+"""Per framework, the logged metrics that count tokens or sequences of the batch (not fractions, means or
+extremes): summed over batches. Every other metric of every preset is a per-batch statistic."""
 
 
 @dataclass
@@ -40,9 +51,12 @@ class _Sums:
     seqs_kept: int = 0
     metric_sums: dict[str, float] = field(default_factory=dict)
     metric_tokens: dict[str, int] = field(default_factory=dict)
+    counts: frozenset[str] = frozenset()
+    batches: int = 0
 
     def add(self, mask, keep, metrics: dict[str, float]) -> None:
         n = int(mask.sum())
+        self.batches += 1
         self.tokens += n
         self.kept += int((keep & mask).sum())
         self.seqs += int(mask.any(-1).sum())
@@ -51,12 +65,17 @@ class _Sums:
             self.metric_sums.setdefault(name, 0.0)
             self.metric_tokens.setdefault(name, 0)
             if not math.isnan(value):
-                self.metric_sums[name] += n * value
+                self.metric_sums[name] += value if name in self.counts else n * value
                 self.metric_tokens[name] += n
 
     def metrics(self) -> dict[str, float]:
-        return {k: self.metric_sums[k] / self.metric_tokens[k] if self.metric_tokens[k] else math.nan
-                for k in self.metric_sums}
+        """Counts as their sum over the batches, every other metric as its token-weighted mean; NaN where no
+        batch gave a number."""
+        return {k: (self.metric_sums[k] if k in self.counts else self.metric_sums[k] / self.metric_tokens[k])
+                if self.metric_tokens[k] else math.nan for k in self.metric_sums}
+
+    def summed(self) -> list[str]:
+        return [k for k in self.metric_sums if k in self.counts]
 
 
 def evaluate(preset: Preset, batch) -> tuple[object, dict[str, float]]:
@@ -80,7 +99,8 @@ def run_presets(con, presets: Sequence[Preset], *, chunk_tokens: int = 1 << 20,
     """The `presets` table (COLUMNS) of the store on `con`: one row per preset and pair, presets in the
     given order."""
     info = pair_info(con)
-    sums = {(p.name, i): _Sums() for p in presets for i in range(len(info))}
+    sums = {(p.name, i): _Sums(counts=COUNTS.get(p.framework, frozenset())) for p in presets
+            for i in range(len(info))}
     for chunk in chunks(con, info, chunk_tokens=chunk_tokens, progress=progress):
         groups = np.zeros(chunk.n, dtype=np.int64)
         for part in chunk.parts(groups, 1, np.zeros(len(chunk.seq_start), dtype=np.int64)):
@@ -93,7 +113,8 @@ def run_presets(con, presets: Sequence[Preset], *, chunk_tokens: int = 1 << 20,
             s = sums[(p.name, i)]
             rows.append((p.name, p.framework, p.default, pair.rollout, pair.scorer, s.tokens, s.seqs,
                          s.kept / s.tokens if s.tokens else math.nan,
-                         s.seqs_kept / s.seqs if s.seqs else math.nan, pair.advantage_source, s.metrics()))
+                         s.seqs_kept / s.seqs if s.seqs else math.nan, pair.advantage_source, s.metrics(),
+                         s.summed(), s.batches))
     return pd.DataFrame(rows, columns=list(COLUMNS))
 
 
@@ -104,7 +125,9 @@ def format_presets(table: pd.DataFrame) -> str:
         lines.append(f"{row.preset}  {row.rollout} × {row.scorer}: kept tokens {_pct(row.kept_token_share)}, "
                      f"kept sequences {_pct(row.kept_seq_share)}  ({row.n_tokens:,} tokens, {row.n_seqs:,} "
                      f"sequences; advantage: {row.advantage_source})")
-        cells = [f"{k} = {v:.6g}" for k, v in row.metrics.items()]
+        summed = set(row.summed_metrics)
+        cells = [f"{k} = {v:.6g}" + (f" (sum over {row.n_batches} batches)" if k in summed else "")
+                 for k, v in row.metrics.items()]
         width = max((len(c) for c in cells), default=0)
         for i in range(0, len(cells), 2):
             lines.append("    " + "  ".join(c.ljust(width) for c in cells[i:i + 2]).rstrip())

@@ -98,3 +98,10 @@ def test_the_delta_p_filter_alone_keeps_low_probability_tokens_the_ratio_filter_
     ratio = by_name["roll/filter-token-ratio"](fresh(t))
     assert (diff.keep & ~ratio.keep).any() and (t.mask & ~diff.keep).any()
     assert "actor/train_infer_token_ratio_mask_mean@sum" not in diff.metrics
+
+
+def test_the_corrections_docs_table_has_a_row_for_each_of_these_presets():
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "corrections.md").read_text()
+    assert [p.name for p in PRESETS if f"| `{p.name}`" not in text] == []

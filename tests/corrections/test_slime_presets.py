@@ -115,3 +115,10 @@ def test_a_token_far_from_the_reference_meets_low_var_kls_clamp_as_in_slime():
         assert_same_result(ours_t, ours, loss, grad, keep, weight, metrics)
         losses[preset.name] = metrics["kl_loss"]
     assert losses["slime/kl-loss-low_var_kl"] < losses["slime/kl-loss-k3"]
+
+
+def test_the_corrections_docs_table_has_a_row_for_each_of_these_presets():
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "corrections.md").read_text()
+    assert [p.name for p in PRESETS if f"| `{p.name}`" not in text] == []
