@@ -35,11 +35,12 @@ import duckdb
 import pandas as pd
 
 from mismatch_lab.analysis.relations import Filters, empty, query, rollout_base
+from mismatch_lab.doctor.bands import NEMO_RL_MULT_PROB_ERROR
 
 SCORER_PREFIX = "nemo-rl:"
 """The scorer label of NeMo-RL's trainer side (record.recorder.scorer_label('nemo-rl', dtype))."""
-BAND = 1.05
-"""NeMo-RL's level: a token_mult_prob_error above it warrants investigation (docs/guides/dtensor-tp-accuracy.md)."""
+BAND = NEMO_RL_MULT_PROB_ERROR.warn
+"""NeMo-RL's level, 1.05 (doctor/bands.py): a token_mult_prob_error above it warrants investigation."""
 KEYS = ["run_id", "rollout", "scorer", "step"]
 COLUMNS = [*KEYS, "n_tokens", "n_nonfinite", "n_finite", "token_mult_prob_error"]
 PAIR_COLUMNS = ["rollout", "scorer", "n_steps", "n_finite", "median_step", "max_step", "max_at", "steps_above"]

@@ -45,7 +45,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from mismatch_lab.analysis.nemo_rl_metric import BAND  # NeMo-RL's published level
+from mismatch_lab.doctor.bands import NEMO_RL_MULT_PROB_ERROR
 from mismatch_lab.errors import UserError
 from mismatch_lab.importers.base import Discovery, Source
 from mismatch_lab.importers.jsonlines import (
@@ -298,11 +298,12 @@ def summary_notes(sources: list[Source]) -> list[str]:
         return []
     mult = np.array([v[0] for v in per.values()])
     worst = list(per)[int(np.argmax(mult))]
-    over = [s for s, v in per.items() if v[0] > BAND]
+    band = NEMO_RL_MULT_PROB_ERROR.warn  # NeMo-RL's published level, 1.05
+    over = [s for s, v in per.items() if v[0] > band]
     shown = list(per.items())
     shown = shown if len(shown) <= 8 else shown[:4] + shown[-4:]
     lines = [(f"NeMo-RL token_mult_prob_error (mean exp|log pi - log mu|) per step: median {np.median(mult):.6g}, max "
-             f"{mult.max():.6g} at step {worst}; {len(over)} of {len(per)} steps above NeMo-RL's {BAND} band"),
+             f"{mult.max():.6g} at step {worst}; {len(over)} of {len(per)} steps above NeMo-RL's {band} band"),
              ("NeMo-RL gen_kl_error = our kl_k3 (mean r - log r - 1) per step: median "
              f"{np.median([v[1] for v in per.values()]):.6g}"),
              "per step (token_mult_prob_error, gen_kl_error): "
