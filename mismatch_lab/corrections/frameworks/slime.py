@@ -279,8 +279,16 @@ KL_NAMES = {"k1": "mean log(π/π_ref)", "k2": "mean ½ log²(π/π_ref)", "k3":
 """--kl-loss-type values, in words."""
 
 
-def _preset(name: str, summary: str, default: bool = False, **settings: Any) -> Preset:
-    return Preset(f"slime/{name}", "slime", SOURCE, summary, {**DEFAULTS, **settings}, policy_loss, default)
+def _preset(name: str, summary: str, default: bool = False, where: str = "", **settings: Any) -> Preset:
+    """A slime preset; `where` names the file that publishes its non-default flag values, if any."""
+    source = f"{SOURCE}; values from {where}" if where else SOURCE
+    return Preset(f"slime/{name}", "slime", source, summary, {**DEFAULTS, **settings}, policy_loss, default)
+
+
+GSPO_SCRIPT = "scripts/run-qwen3-235B-A22B.sh"
+MIS_SCRIPT = "examples/train_infer_mismatch_helper/run-qwen3-4b-mis.sh (--eps-clip-high 0.28) and mis.yaml"
+CISPO_WARNING = "slime/utils/arguments.py (the CISPO warning's suggested setting)"
+KL_SCRIPT = "examples/search-r1/run_qwen2.5_3B.sh (--kl-loss-coef 0.001 --kl-loss-type low_var_kl)"
 
 
 PRESETS = (
@@ -295,29 +303,33 @@ PRESETS = (
     _preset("dual-clip", "PPO clip with dual clip: −A·c capped at −3A where A < 0 (--eps-clip-c 3)",
             eps_clip_c=3.0),
     _preset("mis", "the MIS example (mis.yaml): PPO clip at [0.8, 1.28] · min(π_old/μ, 2) / batch mean; tokens "
-            "with π_old/μ ∉ [0.5, 2] rejected, sequences with a token below 1e-4 vetoed", use_tis=True,
+            "with π_old/μ ∉ [0.5, 2] rejected, sequences with a token below 1e-4 vetoed", where=MIS_SCRIPT, use_tis=True,
             eps_clip_high=0.28, custom_tis_function_path=MIS, **MIS_YAML),
     _preset("mis-sequence-mask", "the MIS example at sequence level, mode mask: sequences with product ratio "
-            "∉ [0.5, 2] rejected, kept ones weighted by it / batch mean; veto 1e-4", use_tis=True,
+            "∉ [0.5, 2] rejected, kept ones weighted by it / batch mean; veto 1e-4", where=MIS_SCRIPT, use_tis=True,
             eps_clip_high=0.28, custom_tis_function_path=MIS,
             **{**MIS_YAML, "tis_level": "sequence", "rs_level": "sequence", "tis_mode": "mask"}),
     *(_preset(f"mis-{level}-{mode}", f"the MIS example with tis_level = rs_level = {level}, tis_mode {mode}: "
               f"{MIS_MODES[mode]}; tokens with ρ outside [0.5, 2] rejected, veto 1e-4; / batch mean",
-              use_tis=True, eps_clip_high=0.28, custom_tis_function_path=MIS,
+              where=MIS_SCRIPT, use_tis=True, eps_clip_high=0.28, custom_tis_function_path=MIS,
               **{**MIS_YAML, "tis_level": level, "rs_level": level, "tis_mode": mode})
       for level, mode in (("token", "mask"), ("token", "clip"), ("geometric", "truncate"), ("geometric", "mask"))),
     _preset("gspo", "GSPO (--advantage-estimator gspo --eps-clip 4e-4): PPO clip at 1 ± 4e-4 on the sequence "
-            "ratio exp(mean_t log π/π_old), every token of a sequence sharing it", advantage_estimator="gspo",
+            "ratio exp(mean_t log π/π_old), every token of a sequence sharing it", where=GSPO_SCRIPT,
+            advantage_estimator="gspo",
             eps_clip=4e-4, eps_clip_high=4e-4),
     _preset("cispo", "CISPO (--advantage-estimator cispo, default --eps-clip 0.2): −sg(clip(π/π_old, 0.8, 1.2))"
             "·A·log π", advantage_estimator="cispo"),
     _preset("cispo-eps-clip-1-eps-clip-high-4", "CISPO at the setting slime's warning names (--eps-clip 1.0 "
-            "--eps-clip-high 4.0): −sg(min(π/π_old, 5))·A·log π", advantage_estimator="cispo", eps_clip=1.0,
+            "--eps-clip-high 4.0): −sg(min(π/π_old, 5))·A·log π", where=CISPO_WARNING, advantage_estimator="cispo",
+            eps_clip=1.0,
             eps_clip_high=4.0),
     *(_preset(f"kl-loss-{kind}", f"PPO clip + 0.001·{KL_NAMES[kind]} (--use-kl-loss --kl-loss-coef 0.001 "
-              f"--kl-loss-type {kind}), π_ref = π_old", use_kl_loss=True, kl_loss_coef=0.001, kl_loss_type=kind)
+              f"--kl-loss-type {kind}), π_ref = π_old", where=KL_SCRIPT, use_kl_loss=True, kl_loss_coef=0.001,
+              kl_loss_type=kind)
       for kind in KL_TYPES),
     _preset("kl-loss-low_var_kl-unbiased", "PPO clip + 0.001·clamp((π/π_old)·k3, ±10) (--use-kl-loss "
-            "--kl-loss-coef 0.001 --kl-loss-type low_var_kl --use-unbiased-kl), π_ref = π_old", use_kl_loss=True,
+            "--kl-loss-coef 0.001 --kl-loss-type low_var_kl --use-unbiased-kl), π_ref = π_old", where=KL_SCRIPT,
+            use_kl_loss=True,
             kl_loss_coef=0.001, kl_loss_type="low_var_kl", use_unbiased_kl=True),
 )
