@@ -27,7 +27,10 @@ wherever the store holds the counterfactual on the rollout's own tokens (another
     batch_composition  no counterfactual on the same tokens: share = min(1, D / M), D = mean |Δ log μ| of the
                      same rollout between generation batch sizes on their shared prefix (the `batch` measurement,
                      the largest over the batch sizes compared), M over all the pair's finite rows
-    routing          never measured: the store records no expert routing
+    routing          an MoE rollout's expert choices against the trainer's own: the scorer replaced by the same
+                     scorer replaying the rollout's expert ids (`<scorer>-r3`, store.schema's routing side label);
+                     M_without = mean |log π_r3 − log μ|; 0 for a scorer that already replays (`-r3`); not measured
+                     without such a scorer (a dense model has none)
 
 A source the store cannot measure gets share NaN and a `reason`. The shares need not sum to 1: fixes overlap
 (a bf16 rollout is batch-variant because it computes in bf16), and what no measured fix removes,
@@ -41,6 +44,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
+
+from mismatch_lab.analysis.routing import R3_SUFFIX as R3
 
 MU = "μ"
 """The rollout side's own log-probs (tokens.logp_rollout) in a counterfactual pair."""
@@ -65,7 +70,7 @@ SOURCES = {
     "support": Source("sampling support", "replay the sampling mask (temperature, top-k, top-p) in the trainer, "
                       "or return raw log-probs from the engine"),
     "staleness": Source("staleness", "fewer off-policy steps, or correct with the behaviour policy's log-probs"),
-    "routing": Source("routing", "R3: replay the rollout's expert routing in the trainer"),
+    "routing": Source("routing", "R3: replay the rollout's expert routing in the trainer", ("routing",)),
 }
 UNEXPLAINED = "unexplained"
 RULE_SOURCE = {rule: name for name, src in SOURCES.items() for rule in src.rules}
@@ -224,6 +229,17 @@ def staleness(w, rollout, scorer) -> dict:
                 f"policy_lag 0 sequences ({int(fresh.sum())} rows) vs all ({int(fin.sum())} rows)")
 
 
+def routing(rollout, scorer, scorers, w) -> dict:
+    """The routing source: what replaying the rollout's expert ids in the trainer (R3) removes (module doc)."""
+    if scorer.endswith(R3):
+        return _row(rollout, scorer, "routing", 0.0, evidence=f"{scorer} already replays {rollout}'s expert routing")
+    twin = f"{scorer}{R3}"
+    if twin not in scorers:
+        return _row(rollout, scorer, "routing", reason=f"not measured: no {twin} scorer (the trainer replaying the "
+                    f"rollout's expert routing, MoE runs only; docs/moe.md) of {rollout}'s tokens")
+    return _removal(w, rollout, scorer, "routing", twin, MU, f"{twin} (the trainer on {rollout}'s expert ids) vs {rollout}")
+
+
 def batch_composition(batch: pd.DataFrame, rollout, scorer, m: float, n: int) -> dict:
     b = batch[batch["rollout"] == rollout] if not batch.empty else batch
     if b.empty:
@@ -255,8 +271,7 @@ def attribute(scored: pd.DataFrame, batch: pd.DataFrame) -> list[dict]:
             m, n = means.get((rollout, scorer), math.nan), int(_ok(w, scorer).sum())
             rows = [precision(w, rollout, scorer, scorers, means), weight_rounding(w, rollout, scorer, scorers),
                     batch_composition(batch, rollout, scorer, m, n), support(w, rollout, scorer),
-                    staleness(w, rollout, scorer),
-                    _row(rollout, scorer, "routing", reason="not measured: the store records no expert routing")]
+                    staleness(w, rollout, scorer), routing(rollout, scorer, scorers, w)]
             out += [r | {"runs": runs} for r in rows] + [unexplained(rows, rollout, scorer, m, n, runs)]
     return out
 

@@ -84,6 +84,15 @@ NEMO_RL_MULT_PROB_ERROR = Band(
 """NeMo-RL's mean exp|log π − log μ| over a step's tokens (analysis/nemo_rl_metric.py), judged on the pair's median
 step: its guide calls occasional spikes acceptable when the metric returns to about 1.0, so one spike does not
 judge a run (the largest step is shown beside it). A level for looking, not a CI gate: it only warns."""
+ROUTING = Band(
+    "above", "= 0 ok, > 0 warn",
+    OURS + "; for scale: NVIDIA/Megatron-LM PR #4256 (refs issue #4168) reports ~10 % of routers disagreeing per "
+    "forward and ~94 % of tokens differing in at least one layer at scale (a reported figure, not a published band)",
+    warn=0.0)
+"""Share of a pair's response tokens whose expert set differs from the rollout's in at least one MoE layer
+(analysis/routing.py any_layer_differs). Any such token had π computed through other experts than μ: a part of
+the mismatch that no precision fix removes and R3 (replaying the rollout's expert ids) does. No framework
+publishes a threshold; the reported ~94 % at scale says how far it goes on deep MoE models (our level: it warns)."""
 BATCH_VARIANCE = Band("above", "= 0 ok, > 0 fail", BITWISE + "; needs batch-invariant kernels", fail=0.0)
 
 SEQ_K3_REJECT = D.K3_THRESHOLD

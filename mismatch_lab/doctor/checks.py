@@ -45,6 +45,8 @@ BATCH_NEEDS = ("collect runs of one rollout at two generation batch sizes, other
 SUPPORT_NEEDS = ("a rollout whose μ is processed by a sampling rule, scored with log S stored (`mismatch-lab collect "
                  "--top-p 0.9 --logprobs-mode processed`: scores.log_support)")
 NEMO_RL_NEEDS = "a run imported from NeMo-RL (`mismatch-lab import nemo-rl LOG_DIR`)"
+ROUTING_NEEDS = ("an MoE run with routing recorded on both sides (`mismatch-lab collect` on an MoE model; "
+                 "docs/moe.md)")
 SKIPPED_NEEDS = ("a `collect` run (only collect skips prompts longer than the context and lists them in "
                  "skipped_prompts; train, recorded and imported runs skip none)")
 
@@ -77,6 +79,8 @@ CHECKS: tuple[Check, ...] = (
           "abs_dlogp_mean", ("bitwise",), needs=BATCH_NEEDS),
     Check("nemo_rl_mult_prob_error", "NeMo-RL token_mult_prob_error = mean exp|log π − log μ|, median over steps",
           B.NEMO_RL_MULT_PROB_ERROR, "nemo_rl", "median_step", needs=NEMO_RL_NEEDS, only_some_runs=True),
+    Check("routing", "share of tokens routed to another expert set than the rollout's in at least one MoE layer",
+          B.ROUTING, "routing", "any_layer_differs", needs=ROUTING_NEEDS, only_some_runs=True),
 )
 BY_NAME = {c.name: c for c in CHECKS}
 GATES = tuple(sorted({g for c in CHECKS for g in c.gates}))
@@ -103,6 +107,10 @@ DETAILS = {
                         f"{int(r['n_tok'])} prefix tokens"),
     "nemo_rl": lambda r: (f"{int(r['n_steps'])} steps, largest {r['max_step']:.4g} at step {int(r['max_at'])}, "
                           f"{int(r['steps_above'])} above 1.05; n = {int(r['n_finite']):,} finite rows"),
+    "routing": lambda r: (f"{int(r['tokens']):,} tokens × {int(r['layers'])} MoE layers (top-{int(r['k'])}); flip rate "
+                          f"{r['flip_rate']:.3g} of (token, layer) cells"
+                          + (f"; R3 ({r['r3_scorer']}) removes {r['r3_share']:.0%} of mean |Δp|"
+                             if isinstance(r.get("r3_scorer"), str) and pd.notna(r.get("r3_share")) else "")),
 }
 
 

@@ -27,6 +27,8 @@ one shared `rows.Rows` row set); the per-sequence numbers are one GROUP BY over 
              `mismatch-lab corrections`' own rows (corrections.compare; frac_seqs_masked, ...)
     scored   one row per (token, scorer): the log-probs attribution.py splits the mismatch with
     support  one row per pair of a processed-μ rollout with log S stored: |mean log S| / mean |Δlogp|
+    routing  one row per (rollout, scorer) pair with MoE routing recorded on both sides: the 'pair' rows of
+             analyze's routing table (any_layer_differs, flip_rate, tokens, layers, r3_scorer, r3_share, ...)
 """
 
 from __future__ import annotations
@@ -200,7 +202,16 @@ def nemo_rl(m: Measurements) -> pd.DataFrame:
     return pair_summary(nemo_rl_table(m.con))
 
 
+def routing(m: Measurements) -> pd.DataFrame:
+    """One row per pair of analyze's routing table (empty where the store holds no routing rows)."""
+    from mismatch_lab.analysis.routing import routing_table
+
+    t = routing_table(m.con)
+    return t[t["view"] == "pair"].reset_index(drop=True)
+
+
 MEASUREMENTS = {"pairs": pairs, "steps": steps, "batch": batch, "skipped": skipped, "approximation": approximation,
-                "corrections": corrections, "scored": scored, "support": support, "nemo_rl": nemo_rl}
+                "corrections": corrections, "scored": scored, "support": support, "nemo_rl": nemo_rl,
+                "routing": routing}
 
 __all__ = ["MEASUREMENTS", "Measurements"]

@@ -9,6 +9,8 @@ measurements and returns advice only where the numbers support it, with the numb
     growth          a run whose per-step mean |π − μ| grows significantly
     batch           a rollout whose sequences change with the generation batch size
     nonfinite       non-finite rows, which every mean excludes
+    routing         an MoE pair whose R3 replay removes most of its mean |Δp| (enable R3, named per framework),
+                    or whose tokens change experts with no R3 scorer to say how much that costs
 
 Each rule: `rule(m: Measurements) -> list[dict]` with keys `rule`, `advice`, `because` (the sentence with
 the numbers) and `numbers` (the same numbers, by name).
@@ -272,8 +274,50 @@ def nonfinite(m: Measurements) -> list[dict]:
             for r in p.to_dict("records")]
 
 
+R3_DOMINANT = 0.5
+"""Doctor advises R3 where replaying the rollout's expert ids removes more than half of the pair's mean |Δp|
+(analysis/routing.py r3_share): routing is then the largest part of the mismatch (ours)."""
+R3_OPTIONS = {
+    "verl": (("actor_rollout_ref.actor.<megatron|veomni>.router_replay.mode=R3 with "
+              "actor_rollout_ref.rollout.enable_rollout_routing_replay=True"),
+             "verl-project/verl@95cc6195 examples/router_replay/README.md"),
+    "slime": ("--use-rollout-routing-replay (--use-routing-replay is R2: the trainer's own recorded routing)",
+              "THUDM/slime@624b824a slime/utils/arguments.py"),
+    "miles": ("--use-rollout-routing-replay", "radixark/miles@31f1ca96 miles/utils/arguments.py"),
+    "NeMo-RL": ("policy.router_replay.enabled=true", "NVIDIA-NeMo/RL@7ea279ab docs/guides/router-replay.md"),
+    "SkyRL": (("trainer.policy.megatron_config.moe_enable_routing_replay=true with "
+               "generator.inference_engine.enable_return_routed_experts=true"),
+              "NovaSky-AI/SkyRL@a9564572 skyrl/train/config/config.py"),
+}
+"""framework -> (the option that turns on rollout routing replay, where it is defined). Each was read in the
+framework's source at that commit."""
+
+
+def _r3_options() -> str:
+    return "; ".join(f"{name}: {option}" for name, (option, _) in R3_OPTIONS.items())
+
+
+def routing(m: Measurements) -> list[dict]:
+    r = m.get("routing")
+    out = []
+    for row in ([] if r.empty else r.to_dict("records")):
+        pair, differ = f"{row['rollout']}/{row['scorer']}", 100 * row["any_layer_differs"]
+        because = f"{pair}: {differ:.3g} % of {int(row['tokens']):,} tokens go to another expert set in >= 1 MoE layer"
+        if isinstance(row.get("r3_scorer"), str) and pd.notna(row.get("r3_share")):
+            share = 100 * row["r3_share"]
+            if row["r3_share"] > R3_DOMINANT:
+                out.append(_advice("routing", f"enable R3 (rollout routing replay): {_r3_options()}",
+                                   f"{because}; replaying the rollout's expert ids ({row['r3_scorer']}) removes "
+                                   f"{share:.3g} % of mean |π − μ|", r3_share_pct=share, any_layer_differs_pct=differ))
+        elif row["any_layer_differs"] > 0 and not str(row["scorer"]).endswith("-r3"):
+            out.append(_advice("routing", f"measure R3 on {pair}: score its tokens with the trainer replaying the "
+                               "rollout's expert ids (docs/moe.md)", f"{because}; no R3 scorer beside "
+                               f"{row['scorer']} says how much of the mismatch that is", any_layer_differs_pct=differ))
+    return out
+
+
 RULES = {"fp16": fp16, "sequence_ratio": sequence_ratio, "trust_region": trust_region, "tv_estimator": tv_estimator,
-         "growth": growth, "batch": batch, "nonfinite": nonfinite}
+         "growth": growth, "batch": batch, "nonfinite": nonfinite, "routing": routing}
 
 
 def recommendations(m: Measurements) -> list[dict]:
