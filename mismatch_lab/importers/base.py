@@ -422,7 +422,8 @@ def _put_back_row(root: Path, run_id: str, old: dict | None) -> None:
 
 class _Stager:
     """Stages one source file's batches, gathered per step into shards of about SHARD_TOKENS tokens named
-    `import-<key>` (then `import-<key>-p0001`, ...), in the import's one Transaction."""
+    `import-<key>` (then `import-<key>-p0001`, ...), in the import's one Transaction: a shard of each step
+    table the batches hold rows of (sequences, tokens and scores always; routing where a format read some)."""
 
     def __init__(self, tx: shards.Transaction, root: Path, run_id: str, summary: Summary):
         self.tx, self.root, self.run_id, self.summary = tx, root, run_id, summary
@@ -443,8 +444,11 @@ class _Stager:
         if not parts:
             return
         name = f"import-{self.key}" + (f"-p{self.part[step]:04d}" if self.part[step] else "")
-        for table in ("sequences", "tokens", "scores"):
-            data = pa.concat_tables([p[table] for p, _ in parts], promote_options="default")
+        for table in ("sequences", "tokens", "scores", "routing"):
+            held = [p[table] for p, _ in parts if table in p]
+            if table == "routing" and not sum(t.num_rows for t in held):
+                continue  # no route read: no routing shard (absent = none)
+            data = pa.concat_tables(held, promote_options="default")
             self.tx.add(table, self.run_id, step, name, data)
             self.dirs.add(shards.shard_path(self.root, table, self.run_id, step, name).parent)
             self.summary.shards += 1

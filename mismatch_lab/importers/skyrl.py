@@ -30,8 +30,17 @@ What is read -> where it goes:
     attention_mask.sum - response_mask.sum  sequences.prompt_len
     metadata["uids"] (when kept)           sequences.prompt_id
     N of the file name                    sequences.step
-Dropped: attention_mask, base_action_log_probs, values, returns, kl, rollout_expert_indices,
-router_padding_mask, pixel_values, image_grid_thw.
+    rollout_expert_indices [B, T, layers, k] at column j - 1, where router_padding_mask is false
+                                          routing rows of the response token at column j (side 'rollout';
+                                          layer = the dump's layer axis; ids as dumped; weights, margin NULL)
+Dropped: attention_mask, base_action_log_probs, values, returns, kl, pixel_values, image_grid_thw.
+
+Routing (MoE router replay, `rollout_expert_indices`): `preprocess.py` writes a sample's captured route rows
+from its left-pad column on, row j the route of the token at column j (its forward, whose output gives token
+j + 1); the columns without a captured route (left padding, the last token, a synthetic EOS) hold
+`make_replay_padding_indices_np` rows (arange(k)) and `make_router_padding_mask` marks them true. Those are left
+out. The layer axis is vLLM's: every transformer layer, dense ones included (`replay_utils.py`
+`patch_topk_router_layer_number`), so `routing.layer` of a SkyRL import is the transformer layer index.
 """
 
 from __future__ import annotations
@@ -190,6 +199,7 @@ def read(src: Source, args):
     prompt_len = None
     if f.get("attention_mask") is not None and f.get("response_mask") is not None:
         prompt_len = f["attention_mask"].sum(axis=1) - f["response_mask"].sum(axis=1)
+    routing, routing_mask = _routing(path, f, B, seqs.shape[1], R)
     uids = meta.get("uids")
     yield FlatBatch(
         step=src.step, rank=0, offsets=np.arange(B + 1, dtype=np.int64) * R,
@@ -198,4 +208,26 @@ def read(src: Source, args):
         advantage=None if adv is None else adv.reshape(-1).astype(np.float64),
         prompt_len=prompt_len,
         prompt_id=np.array([str(u) for u in uids], dtype=object) if isinstance(uids, list) and len(uids) == B else None,
+        routing=routing, routing_mask=routing_mask,
     )  # fmt: skip
+
+
+def _routing(path: Path, f: dict, B: int, T: int, R: int) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """([B * R, layers, k] routes, [B * R] captured) of the response columns, or (None, None) without
+    `rollout_expert_indices`: response column c (sequence column j = T - R + c) takes the route at column j - 1,
+    captured where `router_padding_mask` is false there (module docstring)."""
+    routes = f.get("rollout_expert_indices")
+    if routes is None:
+        return None, None
+    if routes.ndim != 4 or routes.shape[:2] != (B, T) or routes.dtype.kind not in "iu":
+        raise UserError(f"{path}: field 'rollout_expert_indices' has shape {list(routes.shape)} of {routes.dtype}, "
+                        f"expected integer [{B}, {T}, layers, k] like 'sequences' (misaligned)")
+    padding = f.get("router_padding_mask")
+    if padding is None:
+        raise UserError(f"{path}: field 'router_padding_mask' is missing beside 'rollout_expert_indices' (SkyRL "
+                        "writes both; without it padding routes cannot be told from captured ones)")
+    padding = _field(path, f, "router_padding_mask", (B, T))
+    cols = np.arange(T - R - 1, T - 1)
+    src = np.maximum(cols, 0)
+    captured = ~padding.astype(bool)[:, src] & (cols >= 0)
+    return routes[:, src].reshape(B * R, *routes.shape[2:]), captured.reshape(-1)

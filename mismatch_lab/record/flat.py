@@ -11,7 +11,11 @@ padded arrays to `record.tables.step_tables`, which lays them out flat and calls
 * a finite log μ, log π or rollout top-K log-prob above LOGP_TOLERANCE at a stored position is refused
   (`check_batch_logprobs`, ValueError): no log-softmax gives it, most often it is a probability;
 * a per-token advantage goes to the extra `tokens.advantage` column and its mean over the sample's
-  stored tokens to `sequences.advantage`.
+  stored tokens to `sequences.advantage`;
+* MoE routing (`routing`, optional): row i holds the rollout engine's expert ids of the forward whose output
+  gives position i's token (input position i - 1), one [L, k] block per position; the stored positions where
+  `routing_mask` is true become `routing` rows (side ROUTING_ROLLOUT_SIDE, one row per layer, ids in the
+  order given; weights and margin NULL), with the tokens rows' (seq_id, pos).
 
 A sample without any stored position is not written by default (nothing of it was trained on;
 prime-rl's packing pads with such samples); `keep_empty=True` (the Recorder, the train loop) writes it
@@ -33,8 +37,13 @@ from mismatch_lab.record.arrow import (
     repeat,
     seq_ids,
 )
-from mismatch_lab.store.schema import MAX_LOG_RATIO
-from mismatch_lab.store.writer import SCORE_TYPES, SEQUENCE_TYPES, TOKEN_TYPES
+from mismatch_lab.store.schema import MAX_LOG_RATIO, ROUTING_ROLLOUT_SIDE
+from mismatch_lab.store.writer import (
+    ROUTING_TYPES,
+    SCORE_TYPES,
+    SEQUENCE_TYPES,
+    TOKEN_TYPES,
+)
 
 LOGP_TOLERANCE = 2.0**-20
 """The most a log-prob may exceed 0 (2^-20 ~ 9.5e-7: 8 ULPs of 1.0 in fp32, exact in fp32 and float64).
@@ -96,6 +105,8 @@ class FlatBatch:
     topk_ids: pa.Array | None = None  # [N] list<int>: the rollout engine's top-K token ids
     topk_logps: pa.Array | None = None  # [N] list<double>
     extra: dict[str, pa.Array] = field(default_factory=dict)  # [S] extra sequences columns (e.g. env_name)
+    routing: np.ndarray | None = None  # [N, L, k] integer: the rollout's expert ids of the forward giving position i
+    routing_mask: np.ndarray | None = None  # [N] bool: a route was captured there (None: everywhere)
 
     @property
     def n_samples(self) -> int:
@@ -195,7 +206,43 @@ def batch_tables(run_id: str, f: FlatBatch, first_index: int, scorer: str, texts
         "tokens": _dictionary(contract_table(tok, TOKEN_TYPES), {"run_id": run_id}),
         "scores": _dictionary(contract_table(sc, SCORE_TYPES), {"run_id": run_id, "scorer": scorer}),
     }
+    if f.routing is not None:
+        tables["routing"] = _routing_table(f, L, run_id)
     return tables, stats
+
+
+EXPERT_ID_END = 1 << 15
+"""`routing.expert_ids` and `routing.layer` are SMALLINT: an expert id or layer index is a whole number in
+[0, 2^15)."""
+
+
+def _routing_table(f: FlatBatch, L: _Layout, run_id: str) -> pa.Table:
+    """The `routing` rows of the stored positions whose route was captured: one row per (position, layer),
+    ordered (seq, pos, layer); ValueError when the shape is not [N, L, k] or an id or layer index is not a
+    whole number in [0, EXPERT_ID_END)."""
+    routes = np.asarray(f.routing)
+    where = f"step {f.step}, rank {f.rank}: routing"
+    if routes.ndim != 3 or len(routes) != f.offsets[-1] or routes.dtype.kind not in "iu":
+        raise ValueError(f"{where} has shape {list(routes.shape)} of {routes.dtype}, expected integer expert ids "
+                         f"[{int(f.offsets[-1])}, layers, k] (one block per position)")
+    keep = np.ones(len(L.sel), bool) if f.routing_mask is None else np.asarray(f.routing_mask, bool)[L.sel]
+    _, layers, k = routes.shape
+    ids = routes[L.sel[keep]].reshape(-1, k)
+    bad = (ids < 0) | (ids >= EXPERT_ID_END)
+    if bad.any() or layers > EXPERT_ID_END:
+        what = f"{layers} layers" if not bad.any() else f"{ids[bad][0]} ({int(bad.sum())} in all)"
+        raise ValueError(f"{where} expert ids and layers must be whole numbers in [0, 2^15); got {what}")
+    n, rows = int(keep.sum()), len(ids)
+    cols = {"run_id": repeat(run_id, rows, pa.string()),
+            "seq_id": pa.array(np.repeat(L.ids[L.row][keep], layers), type=pa.int64()),
+            "pos": pa.array(np.repeat((L.sel - L.first[L.row])[keep].astype(np.int32), layers)),
+            "side": repeat(ROUTING_ROLLOUT_SIDE, rows, pa.string()),
+            "layer": pa.array(np.tile(np.arange(layers, dtype=np.int16), n)),
+            "expert_ids": pa.ListArray.from_arrays(pa.array(np.arange(rows + 1, dtype=np.int32) * k),
+                                                   pa.array(ids.reshape(-1).astype(np.int16))),
+            "expert_weights": pa.nulls(rows, ROUTING_TYPES["expert_weights"]),  # not recorded by a dump
+            "margin": pa.nulls(rows, ROUTING_TYPES["margin"])}
+    return _dictionary(contract_table(cols, ROUTING_TYPES), {"run_id": run_id, "side": ROUTING_ROLLOUT_SIDE})
 
 
 def check_batch_logprobs(f: FlatBatch) -> None:

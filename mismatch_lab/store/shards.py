@@ -6,6 +6,7 @@
       sequences/<run_id>/step-<N>/<shard>.parquet      the contract's tables, one file per written unit
       tokens/<run_id>/step-<N>/<shard>.parquet
       scores/<run_id>/step-<N>/<shard>.parquet
+      routing/<run_id>/step-<N>/<shard>.parquet        MoE routing, only in units that hold some (absent: none)
       train_metrics/<run_id>/step-<N>/<shard>.parquet
 
 `reader.open_store(STORE)` reads it as the contract's tables: each table is the union of its shards, and
@@ -14,7 +15,7 @@
 
 Why it is safe to write without a lock or a server:
 * append-only, one file per unit: a writer never opens an existing shard. A unit (a step's sequences,
-  tokens, scores and metrics of one writer call) is first written under temporary names
+  tokens, scores, routing and metrics of one writer call) is first written under temporary names
   (`.<name>.tmp-*`, which no reader globs), fsynced, then renamed into place, `sequences` last: the
   rename of the sequences shard is the unit's commit point, and readers take a tokens/scores/metrics
   shard only when the sequences shard of the same name exists (`committed_files`). A killed writer
@@ -62,9 +63,10 @@ from mismatch_lab.store.schema import SCHEMA_VERSION
 
 MARKER = "mismatch-lab-store.json"
 FORMAT = "parquet-shards"
-STEP_TABLES = ("sequences", "tokens", "scores", "train_metrics")
-"""Tables written per step unit, in commit order: `sequences` comes last (see module docstring)."""
-COMMIT_ORDER = ("tokens", "scores", "train_metrics", "sequences")
+STEP_TABLES = ("sequences", "tokens", "scores", "routing", "train_metrics")
+"""Tables written per step unit (a unit may lack `routing` and `train_metrics`: none recorded); committed in
+COMMIT_ORDER, `sequences` last (see module docstring)."""
+COMMIT_ORDER = ("tokens", "scores", "routing", "train_metrics", "sequences")
 COMPRESSION = "zstd"
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,199}$")
 
