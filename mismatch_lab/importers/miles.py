@@ -36,6 +36,14 @@ What is read -> where it goes (per sample, through `slime._batch`):
     rewards                                      sequences.reward (raw_reward is batch-global in rollout order:
                                                  placing it needs the rollout dump; not read)
     total_lengths - response_lengths             sequences.prompt_len
+    rollout_routed_experts (where held)          routing rows (side 'rollout'), as `slime` reads them
+Routing: `rollout_routed_experts` is a per-sample int32 [len(tokens) - 1, num_layers, topk] array
+(`miles/rollout/generate_utils/generate_endpoint_utils.py` ~l.108, `miles/ray/rollout/train_data_conversion.py`)
+kept whole in rollout_data (`miles/backends/training_utils/data.py` ~l.117). miles asks SGLang for it with
+--use-rollout-routing-replay, and `fill_replay_data` (`miles/backends/training_utils/replay_data.py` ~l.131)
+deletes it from rollout_data before training (Megatron and FSDP actors), hence before the dump: a dump of that
+commit holds it only where a custom rollout function set `sample.rollout_routed_experts` without that replay
+(e.g. `examples/infra_features/random_async/random_async_rollout.py`) or another version kept it.
 """
 
 from __future__ import annotations
@@ -54,7 +62,7 @@ FRAMEWORK = "miles"
 HELP = "miles --dump-details train dumps: DIR/train_data/<rollout_id>_<rank>.pt (torch.save; needs --trust-pickle)"
 EXPECTED = "the per-rank train dumps of --dump-details: DIR/train_data/<rollout_id>_<rank>.pt, given as DIR or its train_data folder"
 RANK_FILE = re.compile(r"^(\d+)_(\d+)\.pt$")
-PER_SAMPLE = ("tokens", "response_lengths", "total_lengths", "loss_masks", "rewards")
+PER_SAMPLE = ("tokens", "response_lengths", "total_lengths", "loss_masks", "rewards", "rollout_routed_experts")
 """Fields every holder of a sample carries in full."""
 PER_TOKEN = ("rollout_log_probs", "log_probs", "advantages", "entropy")
 """Fields taken from the first rank (in rank order) holding them: pipeline stages differ in what they hold."""

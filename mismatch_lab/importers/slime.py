@@ -26,7 +26,18 @@ What is read -> where it goes:
     raw_reward[rollout_position] (else rewards)  sequences.reward
     total_lengths - response_lengths             sequences.prompt_len
     rollout_topk_token_ids / _log_probs          tokens.topk_ids_rollout / topk_logps_rollout
+    rollout_routed_experts [T - 1, layers, k]    routing rows (side 'rollout'): response token p (sequence
+      (where the dump holds it)                  position T - R + p) takes row T - R + p - 1, the forward
+                                                 whose output gives it; layer = the dump's layer axis; ids as
+                                                 dumped (weights, margin NULL)
 Dropped: returns, values, ref_log_probs, kl, dp_shards (the DP / micro-batch layout) and the rest.
+
+`rollout_routed_experts` (slime @624b824a `slime/utils/types.py` ~l.361: SGLang's routed experts of
+len(tokens) - 1 forwards, [rows, num_layers, moe_router_topk], every transformer layer: the trainer skips the
+dense ones by moe_layer_freq, `actor.py` `fill_routing_replay`) is a per-sample column of rollout_data, so the
+dump's samples carry it when rollout_data still holds it at the dump. slime captures it only with
+--use-rollout-routing-replay, and `fill_routing_replay` then deletes it from rollout_data before training, hence
+before `save_debug_train_data`: a dump of that commit lacks it (miles likewise, `miles/importers` docstring).
 """
 
 from __future__ import annotations
@@ -169,7 +180,8 @@ def read(src: Source, args):
 def _batch(path: Path, samples, step: int, rank: int, raw_reward) -> FlatBatch:
     cols: dict[str, list] = {k: [] for k in ("tokens", *PER_TOKEN)}
     rewards, prompt_lens, topk_ids, topk_lps = [], [], [], []
-    has = {k: None for k in ("advantages", "entropy", "topk")}
+    has = {k: None for k in ("advantages", "entropy", "topk", "rollout_routed_experts")}
+    routes: list[tuple[np.ndarray, np.ndarray]] = []
     for i, s in enumerate(samples):
         where = f"{path}: sample {i}"
         if not isinstance(s, dict):
@@ -215,6 +227,8 @@ def _batch(path: Path, samples, step: int, rank: int, raw_reward) -> FlatBatch:
                                 f"{ids.shape} / {lps.shape}, expected [{R}, K] both")
             topk_ids.append(ids)
             topk_lps.append(lps)
+        if _present(has, "rollout_routed_experts", s.get("rollout_routed_experts") is not None, where):
+            routes.append(_sample_routes(s["rollout_routed_experts"], where, T, R))
         reward = _scalar(raw_reward[int(_scalar(s["rollout_position"]))]) if raw_reward is not None else _scalar(s.get("rewards"))
         if reward is not None and (isinstance(reward, bool) or not isinstance(reward, (int, float))):
             raise UserError(f"{where}: field 'rewards' must be a number, got {type(reward).__name__} {reward!r:.40}")
@@ -223,6 +237,7 @@ def _batch(path: Path, samples, step: int, rank: int, raw_reward) -> FlatBatch:
     lens = np.array([len(t) for t in cols["tokens"]], dtype=np.int64)
     cat = {k: (np.concatenate(v) if v else np.zeros(0)) for k, v in cols.items()}
     _check_logprobs(path, step, cat, lens, topk_lps)
+    routing, routing_mask = _concat_routes(path, routes) if has["rollout_routed_experts"] else (None, None)
     return FlatBatch(
         step=step, rank=rank, offsets=np.concatenate([[0], np.cumsum(lens)]).astype(np.int64),
         token_ids=cat["tokens"].astype(np.int64), mask=cat["loss_masks"] != 0,
@@ -232,7 +247,44 @@ def _batch(path: Path, samples, step: int, rank: int, raw_reward) -> FlatBatch:
         prompt_len=np.array(prompt_lens, dtype=np.int64),
         topk_ids=_lists(topk_ids, pa.int64()) if has["topk"] else None,
         topk_logps=_lists(topk_lps, pa.float64()) if has["topk"] else None,
+        routing=routing, routing_mask=routing_mask,
     )  # fmt: skip
+
+
+def _present(has: dict, key: str, present: bool, where: str) -> bool:
+    """`present`, after checking that every sample so far had `key` present or every one lacked it."""
+    if has[key] is None:
+        has[key] = present
+    elif has[key] != present:
+        raise UserError(f"{where}: field {key!r} is present in some samples and missing in others")
+    return present
+
+
+def _sample_routes(value, where: str, T: int, R: int) -> tuple[np.ndarray, np.ndarray]:
+    """([R, layers, k] routes, [R] captured) of a sample's response tokens from its `rollout_routed_experts`
+    [rows, layers, k] (row i: the forward of token i): response token p takes row T - R + p - 1, captured when
+    that row exists."""
+    try:
+        a = _array(value, None)
+    except (TypeError, ValueError) as exc:
+        raise UserError(f"{where}: field 'rollout_routed_experts' must be a tensor of expert ids ({exc})") from None
+    if a.ndim != 3 or a.dtype.kind not in "iu" or len(a) > T:
+        raise UserError(f"{where}: field 'rollout_routed_experts' has shape {list(a.shape)} of {a.dtype}, expected "
+                        f"integer [at most {T} tokens, layers, k]")
+    rows = np.arange(T - R - 1, T - 1)
+    captured = (rows >= 0) & (rows < len(a))
+    if not len(a):
+        return np.zeros((R, *a.shape[1:]), dtype=a.dtype), captured
+    return a[np.clip(rows, 0, len(a) - 1)], captured
+
+
+def _concat_routes(path: Path, routes: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    """The samples' routes laid end to end (UserError when their [layers, k] differ)."""
+    shapes = sorted({r.shape[1:] for r, _ in routes})
+    if len(shapes) > 1:
+        raise UserError(f"{path}: rollout_routed_experts of different [layers, k] {[list(x) for x in shapes]} "
+                        "in one dump")
+    return np.concatenate([r for r, _ in routes]), np.concatenate([m for _, m in routes])
 
 
 def _check_logprobs(path: Path, step: int, cat: dict, lens: np.ndarray, topk_lps: list[np.ndarray]) -> None:

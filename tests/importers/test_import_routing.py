@@ -8,7 +8,9 @@ import json
 import numpy as np
 import pyarrow.parquet as pq
 import torch
+from framework_writers import miles as miles_writer
 from framework_writers.skyrl import naive, save, step_fields
+from import_fixtures import slime_payload
 
 from mismatch_lab.store import shards
 from mismatch_lab.store.reader import open_store
@@ -151,3 +153,69 @@ def test_analyze_json_of_an_import_with_only_rollout_routing_has_a_routing_key(c
     assert code == 0, err
     # only the rollout side was imported: analysis.routing pairs a rollout with a scorer, so no pair row yet
     assert isinstance(json.loads((tmp_path / "a.json").read_text())["routing"], list)
+
+
+def _response_rows(routes: np.ndarray, T: int, R: int, mask) -> list[tuple]:
+    """(pos, layer, ids) of a slime / miles sample by a plain loop: stored response token t (sequence position
+    T - R + t) takes routes[T - R + t - 1] where that row exists."""
+    keep = [t for t in range(R) if mask[t]]
+    out = []
+    for t in keep:
+        row = T - R + t - 1
+        if 0 <= row < len(routes):
+            out += [(t - keep[0], layer, [int(x) for x in routes[row, layer]]) for layer in range(LAYERS)]
+    return out
+
+
+def test_slime_routing_rows_equal_a_plain_pass_over_rollout_routed_experts(cli, tmp_path):
+    """slime's `_build_dump_payload` puts each per-sample rollout_data column into the sample dicts, so a
+    rollout_data holding `rollout_routed_experts` ([len(tokens) - 1, num_layers, topk], `types.py`) dumps it per
+    sample; sample 2's routes stop 2 rows short (a partial capture)."""
+    rng = np.random.default_rng(5)
+    d = tmp_path / "dump" / "train_data"
+    d.mkdir(parents=True)
+    want = {}
+    for step in (0, 1):
+        p = slime_payload(step, seed=step + 1)
+        for i, smp in enumerate(p["samples"]):
+            T = smp["total_lengths"]
+            smp["rollout_routed_experts"] = torch.from_numpy(_routes(rng, T - 1 - 2 * (i == 2)).astype(np.int32))
+        torch.save(p, d / f"{step}.pt")
+        kept = [smp for smp in p["samples"] if int(smp["loss_masks"].sum())]
+        for i, smp in enumerate(kept):
+            want[(step, i)] = _response_rows(smp["rollout_routed_experts"].numpy(), smp["total_lengths"],
+                                             smp["response_lengths"], smp["loss_masks"].tolist())
+    store = tmp_path / "store"
+    code, _, err = cli("import", "slime", tmp_path / "dump", "--out", store, "--trust-pickle")
+    assert code == 0, err
+    assert _stored_routing(store) == {k: v for k, v in want.items() if v}
+
+
+def test_miles_routing_joined_over_rank_files_equals_a_plain_pass(cli, tmp_path):
+    """miles keeps `rollout_routed_experts` in rollout_data as per-sample tensors (data.py ~l.117), whole on
+    every rank of the sample's data-parallel share (not context-parallel sliced): added to each rank file the
+    writer made, as the dump holds it where replay did not consume it."""
+    rng = np.random.default_rng(9)
+    samples = miles_writer.rollout_samples(3)
+    routes = {s["sample_index"]: _routes(rng, s["P"] + s["R"] - 1).astype(np.int32) for s in samples}
+    for path in miles_writer.write_rollout(tmp_path / "dump", 4, samples, cp_size=2):
+        pack = torch.load(path, weights_only=False)
+        data = pack["rollout_data"]
+        data["rollout_routed_experts"] = [torch.from_numpy(routes[i]) for i in data["sample_indices"]]
+        torch.save(pack, path)
+    store = tmp_path / "store"
+    code, _, err = cli("import", "miles", tmp_path / "dump", "--out", store, "--trust-pickle")
+    assert code == 0, err
+    ordered = sorted(samples, key=lambda s: s["sample_index"])
+    want = {(4, i): _response_rows(routes[s["sample_index"]], s["P"] + s["R"], s["R"], s["loss_mask"])
+            for i, s in enumerate(ordered)}
+    assert _stored_routing(store) == want
+
+
+def test_routing_in_some_samples_only_is_a_one_line_error(cli, tmp_path):
+    p = slime_payload(0, seed=1)
+    T = p["samples"][0]["total_lengths"]
+    p["samples"][0]["rollout_routed_experts"] = torch.zeros((T - 1, LAYERS, K), dtype=torch.int32)
+    torch.save(p, tmp_path / "0.pt")
+    code, _, err = cli("import", "slime", tmp_path / "0.pt", "--out", tmp_path / "store", "--trust-pickle")
+    assert code == 2 and "'rollout_routed_experts' is present in some samples and missing in others" in err
