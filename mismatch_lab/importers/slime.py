@@ -37,7 +37,7 @@ len(tokens) - 1 forwards, [rows, num_layers, moe_router_topk], every transformer
 dense ones by moe_layer_freq, `actor.py` `fill_routing_replay`) is a per-sample column of rollout_data, so the
 dump's samples carry it when rollout_data still holds it at the dump. slime captures it only with
 --use-rollout-routing-replay, and `fill_routing_replay` then deletes it from rollout_data before training, hence
-before `save_debug_train_data`: a dump of that commit lacks it (miles likewise, `miles/importers` docstring).
+before `save_debug_train_data`: a dump of that commit lacks it (miles likewise, importers/miles.py).
 """
 
 from __future__ import annotations
