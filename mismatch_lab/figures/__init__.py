@@ -2,7 +2,7 @@
 corrections registry on torch, CPU).
 
     figures.py   FIGURES: figure number -> function (tokens.py 1-5, training.py 6 and 9, batch.py 7,
-                 corrections.py 8, support.py 10; base.py what they share), each reading an `open_store` connection and returning
+                 corrections.py 8, support.py 10, routing.py 11; base.py what they share), each reading an `open_store` connection and returning
                  [(file stem, matplotlib Figure)] or raising Skip when the store lacks its data
     command.py   `mismatch-lab figures studies/<name>` | `mismatch-lab figures --all`
 

@@ -22,9 +22,10 @@ the `collect` runs; figure 6 the `train` runs; figure 9 every run whose sequence
     8 fig8_corrections                  each correction method's masked / dropped / reweighted shares, ESS
     9 fig9_mismatch_over_steps          mean |dp| and k3 per training step per run and pair
    10 fig10_sampling_support            mean log r vs mean log S per rollout rule; residual by mu bucket
+   11 fig11_routing                     MoE expert-set flips per layer and rollout margin; mismatch with vs without
 
-Where they live: tokens.py (1-5), training.py (6, 9), batch.py (7), corrections.py (8), support.py (10); base.py holds what
-they share (Skip, the panel layout and caption, pair labels, the token runs' row set, SQL histograms).
+Where they live: tokens.py (1-5), training.py (6, 9), batch.py (7), corrections.py (8), support.py (10), routing.py (11);
+base.py holds what they share (Skip, the panel layout and caption, pair labels, the token runs' row set, SQL histograms).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from matplotlib.figure import Figure
 from mismatch_lab.figures.base import Skip, study_rows
 from mismatch_lab.figures.batch import fig7_batch_invariance
 from mismatch_lab.figures.corrections import fig8_corrections
+from mismatch_lab.figures.routing import fig11_routing
 from mismatch_lab.figures.support import fig10_support
 from mismatch_lab.figures.tokens import (
     fig1_volatility,
@@ -60,5 +62,6 @@ FIGURES: dict[str, Callable[[duckdb.DuckDBPyConnection], list[tuple[str, Figure]
     "8": fig8_corrections,
     "9": fig9_steps,
     "10": fig10_support,
+    "11": fig11_routing,
 }
 """Figure number -> function; the command draws them in this order."""

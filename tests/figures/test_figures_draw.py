@@ -18,7 +18,8 @@ STEMS = {
     "fig5_tv_approximation", "fig6_training_curves", "fig7_batch_invariance", "fig8_corrections",
     "fig9_mismatch_over_steps",
 }  # fmt: skip
-TESTED_ELSEWHERE = {"10": "tests/figures/test_support_figure.py"}  # figures on data the tiny study lacks (log S)
+TESTED_ELSEWHERE = {  # figures on data the tiny study lacks (log S, MoE routing)
+    "10": "tests/figures/test_support_figure.py", "11": "tests/figures/test_routing_figure.py"}
 UNIT = re.compile(r"\([^)]*[a-z%][^)]*\)")  # a parenthesised unit, e.g. "(probability)", "(nats)"
 
 
