@@ -29,6 +29,7 @@ PAGES = {
         st.Page("app_pages/volatility.py", title="Volatility", icon=":material/show_chart:"),
         st.Page("app_pages/clipping.py", title="Clipping", icon=":material/content_cut:"),
         st.Page("app_pages/corrections.py", title="Corrections", icon=":material/rule:"),
+        st.Page("app_pages/routing.py", title="Routing", icon=":material/alt_route:"),
     ],
     "Tokens and training": [
         st.Page("app_pages/inspector.py", title="Token inspector", icon=":material/manage_search:"),
