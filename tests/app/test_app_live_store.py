@@ -180,7 +180,12 @@ def test_a_read_only_store_opens_and_its_cache_goes_to_the_users_cache_folder(tm
     assert sorted(folder.rglob("*")) == files
 
 
-def test_a_store_that_is_not_ours_gets_no_cache_written_into_it(parquet_store, tmp_path, monkeypatch):
+def test_a_store_that_is_not_ours_gets_no_cache_written_into_it(parquet_store, tmp_path, monkeypatch, lab_ui):
+    import streamlit as st
+
+    st.cache_data.clear()  # this session's other tests may have computed the shared store's pages in memory
+    st.cache_resource.clear()
+    lab_ui._DISK.clear()
     monkeypatch.delenv(cache.ENV_VAR)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "user-cache"))
     study = parquet_store.parent
