@@ -34,7 +34,8 @@ def _routing(rng: np.random.Generator, n: int, flip_prob: np.ndarray | None = No
     if base is None:
         ids = np.stack([[rng.permutation(N_EXPERTS)[:K] for _ in range(LAYERS)] for _ in range(n)])
         margin = np.exp(rng.uniform(np.log(1e-4), np.log(5.0), size=(n, LAYERS)))
-        margin[0, 0] = 1e-3  # on an edge: the bucket [1e-3, 1e-2), as np.digitize puts it
+        margin = margin.astype(np.float32).astype(np.float64)  # as routing.margin (FLOAT) stores it
+        margin[0, 0] = 1.0  # on an edge (exact in float32): the bucket [1, inf), as np.digitize puts it
         w = rng.uniform(0.5, 0.9, size=(n, LAYERS, 1))
         return Routing(ids, np.concatenate([w, 1 - w], axis=-1), margin)
     ids = base.ids.copy()

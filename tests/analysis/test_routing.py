@@ -89,7 +89,7 @@ def test_the_r3_share_is_one_minus_the_ratio_of_mean_abs_dp_of_replay_and_plain(
 
 
 def test_a_margin_on_a_bucket_edge_goes_to_the_bucket_above_as_np_digitize_puts_it(store, table):
-    assert store.rollout.margin[0, 0] == 1e-3
+    assert store.rollout.margin[0, 0] == 1.0
     want = compare(store.rollout, store.sides["hf:fp32"])["flips_by_margin"]
     assert [b["cells"] for b in _pair(table, "hf:fp32")["flips_by_margin"]] == [b["cells"] for b in want]
 
