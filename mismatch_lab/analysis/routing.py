@@ -25,12 +25,14 @@ without routing rows (or without the table) gives an empty table.
 from __future__ import annotations
 
 import math
+import uuid
+from contextlib import contextmanager
 
 import duckdb
 import pandas as pd
 
 from mismatch_lab.analysis import definitions as d
-from mismatch_lab.analysis.relations import Filters, empty, query, table_columns
+from mismatch_lab.analysis.relations import Filters, _used, empty, query, table_columns
 from mismatch_lab.routing.compare import MARGIN_EDGES
 from mismatch_lab.store.schema import ROUTING_ROLLOUT_SIDE
 
@@ -122,11 +124,11 @@ def routing_table(con: duckdb.DuckDBPyConnection, *, rollout=None, scorer=None, 
     if not has_routing(con):
         return empty(COLUMNS)
     filters = Filters.make(rollout, scorer, run_ids)
-    cells, params = cells_sql(filters)
-    counts = _cell_counts(con, cells, params)
-    if counts.empty:
-        return empty(COLUMNS)
-    pairs = _pairs(counts, _token_mismatch(con, cells, params), _pair_dp(con, filters))
+    with _materialized(con, *cells_sql(filters)) as cells:  # the self-join once, read by both passes
+        counts = _cell_counts(con, cells, {})
+        if counts.empty:
+            return empty(COLUMNS)
+        pairs = _pairs(counts, _token_mismatch(con, cells, {}), _pair_dp(con, filters))
     layers = _detail(counts, "g_bucket", "layer").assign(view="layer")
     margins = _detail(counts, "g_layer", "bucket").assign(view="margin")
     margins["margin_lo"] = [MARGIN_EDGES[int(b)] for b in margins["bucket"]]
@@ -136,6 +138,17 @@ def routing_table(con: duckdb.DuckDBPyConnection, *, rollout=None, scorer=None, 
     out = out.sort_values(["rollout", "scorer", "view", "layer", "margin_lo"], key=lambda s: s.map(order)
                           if s.name == "view" else s).reset_index(drop=True)
     return out.astype({c: "Int64" for c in INT_COLUMNS}).reindex(columns=COLUMNS)
+
+
+@contextmanager
+def _materialized(con: duckdb.DuckDBPyConnection, sql: str, params: dict):
+    """`sql` as a temporary table of this connection (its name yielded as a relation), dropped on exit."""
+    table = f"_ml_routing_cells_{uuid.uuid4().hex[:10]}"
+    con.execute(f"CREATE TEMP TABLE {table} AS {sql}", _used(sql, params))
+    try:
+        yield f"SELECT * FROM {table}"
+    finally:
+        con.execute(f"DROP TABLE IF EXISTS {table}")
 
 
 def _finite(x: float) -> float | None:
