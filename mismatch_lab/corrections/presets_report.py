@@ -9,11 +9,13 @@ with neither run twice, with A = +1 and A = −1: a token counts as kept only wh
 (two-sided, as `compare` counts sign-dependent rules) and the metrics are those of the A = +1 run.
 
 Metrics: a framework logs them per batch; here each is the mean over the parts weighted by the parts'
-response tokens (its max/min statistics included: verl, too, averages its micro-batches' metrics); a part
+response tokens (verl's max/min statistics included: verl averages its micro-batches' metrics); a part
 whose value is NaN is left out of that metric's mean (e.g. verl's token-mean loss of a part in which every
 token was rejected: 0/0), and the metric is NaN (null in JSON) when every part's was. Counts (COUNTS: numbers
 of tokens or sequences, which a token-weighted mean would turn into a number of no batch) are summed over the
 parts instead: the row's `summed_metrics` names them and `n_batches` is the number of parts they add over.
+Extremes that a framework reduces by max or min over its micro-batches (EXTREMES) are the max or min over the
+parts, as that framework reports them for the whole batch.
 Kept sequences: sequences with at least one kept token.
 """
 
@@ -43,6 +45,34 @@ COUNTS: dict[str, frozenset[str]] = {
 extremes): summed over batches. Every other metric of every preset is a per-batch statistic."""
 
 
+def _suffixed(sep: str) -> Callable[[str], str | None]:
+    """The reduction ('max' or 'min') a metric's name asks for by ending in sep + max / sep + min, else None."""
+    return lambda name: next((e for e in ("max", "min") if name.endswith(sep + e)), None)
+
+
+_NEMO_RL_EXTREMES = {"probs_ratio_max": "max", "probs_ratio_clamped_max": "max", "probs_ratio_min": "min",
+                     "probs_ratio_clamped_min": "min", "max_seq_mult_prob_error": "max",
+                     "max_seq_mult_prob_error_after_mask": "max", "min_seq_mult_prob_error": "min",
+                     "min_seq_mult_prob_error_after_mask": "min"}
+
+EXTREMES: dict[str, Callable[[str], str | None]] = {
+    "nemo-rl": _NEMO_RL_EXTREMES.get,
+    "roll": _suffixed("@"),
+    "skyrl": _suffixed("_"),
+}
+"""Per framework, metric name -> 'max' / 'min' where the framework reduces that metric over its micro-batches
+by max / min (None: a token-weighted mean or a COUNTS sum). NeMo-RL @7ea279ab: grpo.py takes the min/max of
+probs_ratio(_clamped)_min/_max over micro-batches and computes the *_seq_mult_prob_error extremes over the
+step's whole batch; ROLL @8eb27cc2: roll/utils/functionals.py reduce_metrics reads the '@max'/'@min' tag;
+SkyRL @a9564572: skyrl_train/workers/worker_utils.py reduce_metrics takes max/min of names ending _max/_min."""
+
+_EXTREME = {"max": max, "min": min}
+
+
+def _no_extreme(name: str) -> None:
+    """The reduction of a framework without EXTREMES: none of its metrics is a max/min over micro-batches."""
+
+
 @dataclass
 class _Sums:
     tokens: int = 0
@@ -52,6 +82,7 @@ class _Sums:
     metric_sums: dict[str, float] = field(default_factory=dict)
     metric_tokens: dict[str, int] = field(default_factory=dict)
     counts: frozenset[str] = frozenset()
+    extreme: Callable[[str], str | None] = _no_extreme
     batches: int = 0
 
     def add(self, mask, keep, metrics: dict[str, float]) -> None:
@@ -65,14 +96,26 @@ class _Sums:
             self.metric_sums.setdefault(name, 0.0)
             self.metric_tokens.setdefault(name, 0)
             if not math.isnan(value):
-                self.metric_sums[name] += value if name in self.counts else n * value
+                self.metric_sums[name] = self._fold(name, value, n)
                 self.metric_tokens[name] += n
 
+    def _fold(self, name: str, value: float, n: int) -> float:
+        """The running sum (counts), extreme (EXTREMES) or token-weighted sum of one metric with a new part."""
+        if name in self.counts:
+            return self.metric_sums[name] + value
+        if (kind := self.extreme(name)) is not None:
+            return _EXTREME[kind](self.metric_sums[name], value) if self.metric_tokens[name] else value
+        return self.metric_sums[name] + n * value
+
     def metrics(self) -> dict[str, float]:
-        """Counts as their sum over the batches, every other metric as its token-weighted mean; NaN where no
-        batch gave a number."""
-        return {k: (self.metric_sums[k] if k in self.counts else self.metric_sums[k] / self.metric_tokens[k])
-                if self.metric_tokens[k] else math.nan for k in self.metric_sums}
+        """Counts as their sum over the batches, extremes as their max/min, every other metric as its
+        token-weighted mean; NaN where no batch gave a number."""
+        def value(k: str) -> float:
+            if k in self.counts or self.extreme(k) is not None:
+                return self.metric_sums[k]
+            return self.metric_sums[k] / self.metric_tokens[k]
+
+        return {k: value(k) if self.metric_tokens[k] else math.nan for k in self.metric_sums}
 
     def summed(self) -> list[str]:
         return [k for k in self.metric_sums if k in self.counts]
@@ -99,7 +142,8 @@ def run_presets(con, presets: Sequence[Preset], *, chunk_tokens: int = 1 << 20,
     """The `presets` table (COLUMNS) of the store on `con`: one row per preset and pair, presets in the
     given order."""
     info = pair_info(con)
-    sums = {(p.name, i): _Sums(counts=COUNTS.get(p.framework, frozenset())) for p in presets
+    sums = {(p.name, i): _Sums(counts=COUNTS.get(p.framework, frozenset()),
+                               extreme=EXTREMES.get(p.framework, _no_extreme)) for p in presets
             for i in range(len(info))}
     for chunk in chunks(con, info, chunk_tokens=chunk_tokens, progress=progress):
         groups = np.zeros(chunk.n, dtype=np.int64)
