@@ -62,6 +62,7 @@ def test_every_pair_and_store_check_has_cases_on_both_sides():
     planted_elsewhere = {"growth", "batch_tokens", "batch_logp"}  # test_doctor_runs.py
     planted_elsewhere |= {"support_bias"}  # test_attribution.py
     planted_elsewhere |= {"routing"}  # test_routing_check.py (an MoE store; a dense one has no row)
+    planted_elsewhere |= {"nemo_rl_mult_prob_error"}  # tests/importers/test_nemo_rl_metric.py (ok and warn)
     assert set(CASES) | planted_elsewhere == {c.name for c in CHECKS}
     for check, cases in CASES.items():
         assert {"ok"} < {v for *_, v in cases}, check
