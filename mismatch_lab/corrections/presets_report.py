@@ -15,7 +15,9 @@ token was rejected: 0/0), and the metric is NaN (null in JSON) when every part's
 of tokens or sequences, which a token-weighted mean would turn into a number of no batch) are summed over the
 parts instead: the row's `summed_metrics` names them and `n_batches` is the number of parts they add over.
 Extremes that a framework reduces by max or min over its micro-batches (EXTREMES) are the max or min over the
-parts, as that framework reports them for the whole batch.
+parts, as that framework reports them for the whole batch. Means over sequences (BY_SEQUENCE: a sum of
+per-sequence values over the batch's sequences) are weighted by the parts' sequences instead of their tokens,
+which gives the mean over every sequence of the store.
 Kept sequences: sequences with at least one kept token.
 """
 
@@ -68,9 +70,23 @@ SkyRL @a9564572: skyrl_train/workers/worker_utils.py reduce_metrics takes max/mi
 
 _EXTREME = {"max": max, "min": min}
 
+BY_SEQUENCE: dict[str, Callable[[str], bool]] = {
+    "slime": lambda name: True,
+    "nemo-rl": {"mean_seq_mult_prob_error", "mean_seq_mult_prob_error_after_mask"}.__contains__,
+}
+"""Per framework, metric name -> whether it is a mean over the batch's sequences (weighted by sequences over the
+parts). slime @624b824a: loss.py reduces every reported metric with sum_of_sample_mean (per-sequence means summed)
+and train_one_step divides the micro-batches' sum by the step's sample count; NeMo-RL @7ea279ab: grpo.py's
+mean_seq_mult_prob_error is the mean over the step's valid sequences."""
+
 
 def _no_extreme(name: str) -> None:
     """The reduction of a framework without EXTREMES: none of its metrics is a max/min over micro-batches."""
+
+
+def _by_token(name: str) -> bool:
+    """The weighting of a framework without BY_SEQUENCE: every mean weighted by the parts' tokens."""
+    return False
 
 
 @dataclass
@@ -80,42 +96,45 @@ class _Sums:
     seqs: int = 0
     seqs_kept: int = 0
     metric_sums: dict[str, float] = field(default_factory=dict)
-    metric_tokens: dict[str, int] = field(default_factory=dict)
+    metric_weights: dict[str, int] = field(default_factory=dict)
     counts: frozenset[str] = frozenset()
     extreme: Callable[[str], str | None] = _no_extreme
+    by_sequence: Callable[[str], bool] = _by_token
     batches: int = 0
 
     def add(self, mask, keep, metrics: dict[str, float]) -> None:
-        n = int(mask.sum())
+        n, n_seqs = int(mask.sum()), int(mask.any(-1).sum())
         self.batches += 1
         self.tokens += n
         self.kept += int((keep & mask).sum())
-        self.seqs += int(mask.any(-1).sum())
+        self.seqs += n_seqs
         self.seqs_kept += int((keep & mask).any(-1).sum())
         for name, value in metrics.items():
             self.metric_sums.setdefault(name, 0.0)
-            self.metric_tokens.setdefault(name, 0)
+            self.metric_weights.setdefault(name, 0)
             if not math.isnan(value):
-                self.metric_sums[name] = self._fold(name, value, n)
-                self.metric_tokens[name] += n
+                w = n_seqs if self.by_sequence(name) else n
+                self.metric_sums[name] = self._fold(name, value, w)
+                self.metric_weights[name] += w
 
-    def _fold(self, name: str, value: float, n: int) -> float:
-        """The running sum (counts), extreme (EXTREMES) or token-weighted sum of one metric with a new part."""
+    def _fold(self, name: str, value: float, w: int) -> float:
+        """The running sum (counts), extreme (EXTREMES) or weighted sum (weight w: the part's tokens or
+        sequences) of one metric with a new part."""
         if name in self.counts:
             return self.metric_sums[name] + value
         if (kind := self.extreme(name)) is not None:
-            return _EXTREME[kind](self.metric_sums[name], value) if self.metric_tokens[name] else value
-        return self.metric_sums[name] + n * value
+            return _EXTREME[kind](self.metric_sums[name], value) if self.metric_weights[name] else value
+        return self.metric_sums[name] + w * value
 
     def metrics(self) -> dict[str, float]:
-        """Counts as their sum over the batches, extremes as their max/min, every other metric as its
-        token-weighted mean; NaN where no batch gave a number."""
+        """Counts as their sum over the batches, extremes as their max/min, every other metric as its token-
+        (or BY_SEQUENCE: sequence-) weighted mean; NaN where no batch gave a number."""
         def value(k: str) -> float:
             if k in self.counts or self.extreme(k) is not None:
                 return self.metric_sums[k]
-            return self.metric_sums[k] / self.metric_tokens[k]
+            return self.metric_sums[k] / self.metric_weights[k]
 
-        return {k: value(k) if self.metric_tokens[k] else math.nan for k in self.metric_sums}
+        return {k: value(k) if self.metric_weights[k] else math.nan for k in self.metric_sums}
 
     def summed(self) -> list[str]:
         return [k for k in self.metric_sums if k in self.counts]
@@ -143,7 +162,8 @@ def run_presets(con, presets: Sequence[Preset], *, chunk_tokens: int = 1 << 20,
     given order."""
     info = pair_info(con)
     sums = {(p.name, i): _Sums(counts=COUNTS.get(p.framework, frozenset()),
-                               extreme=EXTREMES.get(p.framework, _no_extreme)) for p in presets
+                               extreme=EXTREMES.get(p.framework, _no_extreme),
+                               by_sequence=BY_SEQUENCE.get(p.framework, _by_token)) for p in presets
             for i in range(len(info))}
     for chunk in chunks(con, info, chunk_tokens=chunk_tokens, progress=progress):
         groups = np.zeros(chunk.n, dtype=np.int64)

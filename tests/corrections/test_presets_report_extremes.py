@@ -1,6 +1,8 @@
 """presets_report's extremes: a metric that a framework reduces by max or min over its micro-batches (NeMo-RL's
 *_seq_mult_prob_error extremes, SkyRL's *_max/*_min, ROLL's @max/@min) is the max or min over the store's
-batches, equal to a numpy pass over the store's tokens, not a token-weighted mean of the batches' extremes."""
+batches, equal to a numpy pass over the store's tokens, not a token-weighted mean of the batches' extremes; and a
+mean over sequences (every slime metric, NeMo-RL's mean_seq_mult_prob_error) is the mean over every sequence of
+the store, the batches weighted by their sequences, not by their tokens."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from mismatch_lab.corrections.presets_report import EXTREMES, run_presets
 from mismatch_lab.store.reader import open_store
 
 STUDY = Path(__file__).resolve().parents[2] / "studies" / "batch-invariance"
-PRESETS = ("nemo-rl/default", "skyrl/token_tis", "roll/default")
+PRESETS = ("nemo-rl/default", "skyrl/token_tis", "roll/default", "slime/ppo")
 RTOL = 64 * float(np.finfo(np.float64).eps)
 """The extremes are of float64 log-probs (the store's DOUBLE columns); sums of a sequence's terms in another
 order differ by a few units of float64 rounding."""
@@ -55,6 +57,15 @@ def test_nemo_rl_sequence_error_extremes_are_those_of_every_sequence_of_the_stor
             assert m[name] == pytest.approx(per_seq.max(), rel=RTOL), (key, name)
         for name in ("min_seq_mult_prob_error", "min_seq_mult_prob_error_after_mask"):
             assert m[name] == pytest.approx(per_seq.min(), rel=RTOL), (key, name)
+        for name in ("mean_seq_mult_prob_error", "mean_seq_mult_prob_error_after_mask"):
+            assert m[name] == pytest.approx(per_seq.mean(), rel=RTOL), (key, name)
+
+
+def test_slime_metrics_are_means_over_every_sequence_of_the_store(table, by_pair):
+    for key, g in by_pair.items():
+        per_seq = np.abs(g.lp - g.lmu).groupby([g.run_id, g.seq_id]).mean()
+        m = _row(table, "slime/ppo", key).metrics
+        assert m["train_rollout_logprob_abs_diff"] == pytest.approx(per_seq.mean(), rel=RTOL), key
 
 
 def test_skyrl_is_ratio_max_is_the_largest_token_ratio_of_the_store(table, by_pair):
