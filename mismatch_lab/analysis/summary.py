@@ -99,7 +99,16 @@ def store_counts(con: duckdb.DuckDBPyConnection) -> dict:
     """What the store holds: runs by kind, sequences, response tokens (counts of whole tables)."""
     kinds = dict(con.execute("SELECT coalesce(kind, '?'), count(*) FROM runs GROUP BY ALL ORDER BY ALL").fetchall())
     n_seq, n_tok = con.execute("SELECT (SELECT count(*) FROM sequences), (SELECT count(*) FROM tokens)").fetchone()
-    return {"runs": kinds, "sequences": int(n_seq), "tokens": int(n_tok)}
+    return {"runs": kinds, "sequences": int(n_seq), "tokens": int(n_tok), "routing_sides": routing_sides(con)}
+
+
+def routing_sides(con: duckdb.DuckDBPyConnection) -> list[str]:
+    """The distinct `routing.side` values of the store (empty without routing)."""
+    from mismatch_lab.analysis.routing import has_routing
+
+    if not has_routing(con):
+        return []
+    return [r[0] for r in con.execute("SELECT DISTINCT side FROM routing ORDER BY 1").fetchall()]
 
 
 def headline(store: str, counts: dict) -> str:
@@ -113,8 +122,12 @@ def _split(df: pd.DataFrame, column: str, value: str) -> pd.DataFrame:
     return df[df[column] == value] if not df.empty and column in df.columns else df.iloc[0:0]
 
 
-def routing_lines(pairs: pd.DataFrame) -> list[str]:
-    """One line per (rollout, scorer) pair of the routing table (none when the store holds no routing)."""
+def routing_lines(pairs: pd.DataFrame, sides: list[str] = ()) -> list[str]:
+    """One line per (rollout, scorer) pair of the routing table (none when the store holds no routing); a
+    store whose routing has the rollout's side only (an import: the dumps hold the engine's routing) says so."""
+    if pairs.empty and sides:
+        return ["", (f"MoE routing recorded for side(s) {', '.join(sides)} only: no rollout/trainer pair to compare "
+                     "(a trainer side comes from `collect` on the MoE checkpoint; docs/moe.md)")]
     out = []
     for r in pairs.itertuples():
         r3 = f", R3 share {r.r3_share:.0%} ({r.r3_scorer})" if pd.notna(r.r3_share) else ""
@@ -147,7 +160,7 @@ def analyze_summary(store: str, counts: dict, tables: dict[str, pd.DataFrame], f
     if not steps.empty:
         out += ["", (f"training steps: {steps['run_id'].nunique()} run(s) over {steps['step'].nunique()} step(s), "
                      "the same numbers per step: `--table steps`")]
-    out += routing_lines(_split(tables.get("routing", pd.DataFrame()), "view", "pair"))
+    out += routing_lines(_split(tables.get("routing", pd.DataFrame()), "view", "pair"), counts.get("routing_sides", []))
     sizes = ", ".join(f"{name} ({len(df):,})" for name, df in tables.items())  # row counts; 120 characters
     out += ["", f"verdicts and what to change: {command('doctor', '--db', store)}",
             "print a table in full with --table NAME (repeatable), every table with --all; docs/analysis.md",

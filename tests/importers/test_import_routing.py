@@ -147,12 +147,13 @@ def test_a_skyrl_dump_without_routing_writes_no_routing_shard_and_reads_as_empty
     con.close()
 
 
-def test_analyze_json_of_an_import_with_only_rollout_routing_has_a_routing_key(cli, tmp_path):
+def test_analyze_of_an_import_with_only_rollout_routing_says_there_is_no_pair_to_compare(cli, tmp_path):
     _, store = _skyrl_import(cli, tmp_path, steps=(1,))
-    code, _, err = cli("analyze", "--db", store, "--json", tmp_path / "a.json")
+    code, out, err = cli("analyze", "--db", store, "--json", tmp_path / "a.json")
     assert code == 0, err
-    # only the rollout side was imported: analysis.routing pairs a rollout with a scorer, so no pair row yet
-    assert isinstance(json.loads((tmp_path / "a.json").read_text())["routing"], list)
+    # only the rollout side was imported: analysis.routing pairs a rollout with a scorer, so no pair row
+    assert json.loads((tmp_path / "a.json").read_text())["routing"] == []
+    assert "MoE routing recorded for side(s) rollout only: no rollout/trainer pair to compare" in out
 
 
 def _response_rows(routes: np.ndarray, T: int, R: int, mask) -> list[tuple]:
