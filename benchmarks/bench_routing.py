@@ -9,6 +9,10 @@
 2. The R3 scorer (hf:fp32-r3, rollout expert ids forced) against a plain hf:fp32 scorer pass on the same tokens
    (the same loaded fp32 model, routing capture off for both; the forced ids come from an HF bf16 forward, what
    is timed is the scorer), best of --repeat. Target ratio < 1.5.
+3. The parts, in one process on one loaded engine (less exposed to the machine's load than two whole commands):
+   vLLM bf16 generation of the chunk, the rollout routing capture of the same sequences (one prefill each), and
+   the hf:fp32 scorer pass with routing capture on and off; best of --repeat each. The capture's share of the
+   chunk's work is (rollout capture + scorer on - scorer off) / (generation + scorer off).
 """
 
 from __future__ import annotations
@@ -92,6 +96,38 @@ def bench_r3(model: str, args) -> dict:
             "ratio": best["hf:fp32-r3"] / best["hf:fp32"]}
 
 
+def bench_parts(model: str, args) -> dict:
+    from mismatch_lab.engines.base import GenRequest, make_engine
+    from mismatch_lab.routing.record import rollout_routings
+    from mismatch_lab.runtime import load_tokenizer
+    from mismatch_lab.scoring import HFScorer, ScoreItem
+
+    tok = load_tokenizer(model)[0]
+    lines = (REPO / "data" / "default_prompts.jsonl").read_text().splitlines()[:args.prompts]
+    prompts = [tok(json.loads(line)["prompt"]).input_ids for line in lines]
+    reqs = [GenRequest(prompt_ids=p, seed=i * args.samples + s) for i, p in enumerate(prompts) for s in range(args.samples)]
+    engine = make_engine("vllm", model, "bf16", seed=0, max_model_len=512, device="cpu", max_logprobs=20)
+    scorers = {r: HFScorer(model, ["fp32"], device="cpu", top_k=0, routing=r) for r in (False, True)}
+    times: dict[str, list[float]] = {"generate": [], "rollout_capture": [], "scorer_off": [], "scorer_on": []}
+    for _ in range(args.repeat):
+        t0 = time.perf_counter()
+        samples = engine.generate(reqs, max_tokens=args.max_tokens, top_k=0)
+        times["generate"].append(time.perf_counter() - t0)
+        seqs = [list(r.prompt_ids) + list(s.token_ids) for r, s in zip(reqs, samples)]
+        t0 = time.perf_counter()
+        rollout_routings("vllm", engine, seqs)
+        times["rollout_capture"].append(time.perf_counter() - t0)
+        items = [ScoreItem(r.prompt_ids, s.token_ids) for r, s in zip(reqs, samples)]
+        for on, key in ((False, "scorer_off"), (True, "scorer_on")):
+            t0 = time.perf_counter()
+            scorers[on].score(items)
+            times[key].append(time.perf_counter() - t0)
+    engine.close()
+    b = {k: min(v) for k, v in times.items()}
+    share = (b["rollout_capture"] + b["scorer_on"] - b["scorer_off"]) / (b["generate"] + b["scorer_off"])
+    return {"tokens": sum(len(s.token_ids) for s in samples), "seconds": times, "capture_share": share}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--prompts", type=int, default=16)
@@ -100,7 +136,7 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=2)
     p.add_argument("--r3-seqs", type=int, default=32)
     p.add_argument("--r3-len", type=int, default=96)
-    p.add_argument("--skip", choices=["collect", "r3"], action="append", default=[])
+    p.add_argument("--skip", choices=["collect", "r3", "parts"], action="append", default=[])
     args = p.parse_args()
     print(f"cpu: {_cpu()}; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores", flush=True)
     with tempfile.TemporaryDirectory() as d:
@@ -116,6 +152,12 @@ def main() -> None:
             r = out["r3"]
             print(f"scorer pass, {r['tokens']} tokens: hf:fp32 {min(r['seconds']['hf:fp32']):.2f} s, hf:fp32-r3 "
                   f"{min(r['seconds']['hf:fp32-r3']):.2f} s -> ratio {r['ratio']:.3f} (target < 1.5)", flush=True)
+        if "parts" not in args.skip:
+            out["parts"] = bench_parts(model, args)
+            t = {k: min(v) for k, v in out["parts"]["seconds"].items()}
+            print(f"parts, {out['parts']['tokens']} tokens: generate {t['generate']:.2f} s, rollout capture "
+                  f"{t['rollout_capture']:.2f} s, scorer {t['scorer_off']:.2f} s off / {t['scorer_on']:.2f} s on "
+                  f"-> capture adds {out['parts']['capture_share']:.1%} of the chunk's work", flush=True)
     print(f"load average at the end {os.getloadavg()[0]:.1f}")
     print(json.dumps(out))
 
