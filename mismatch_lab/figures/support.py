@@ -45,7 +45,7 @@ def fig10_support(con: duckdb.DuckDBPyConnection, rows: Rows | None = None) -> l
 
     df = support_pairs(con)
     pair = df[df["view"] == "pair"]
-    fig, (ax_id, ax_mu) = panel_grid(2, ncols=2, w=3.8, h=3.2, left=0.9)
+    fig, (ax_id, ax_mu) = panel_grid(2, ncols=2, w=3.8, h=3.2, left=0.9, wgap=1.2)
     _identity_panel(ax_id, pair)
     _bucket_panel(ax_mu, df[df["view"] == "mu_bucket"])
     n = int(pair["n_tokens"].sum())
