@@ -23,6 +23,7 @@ Kept sequences: sequences with at least one kept token.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -70,14 +71,30 @@ SkyRL @a9564572: skyrl_train/workers/worker_utils.py reduce_metrics takes max/mi
 
 _EXTREME = {"max": max, "min": min}
 
-BY_SEQUENCE: dict[str, Callable[[str], bool]] = {
-    "slime": lambda name: True,
-    "nemo-rl": {"mean_seq_mult_prob_error", "mean_seq_mult_prob_error_after_mask"}.__contains__,
+_ROLL_SEQUENCE_MEANS = frozenset({f"actor/train_infer_{kind}_{agg}_mean@sum" for kind in ("ratio", "diff")
+                                  for agg in ("token", "geometric", "sequence", "segment")}
+                                 | {"actor/ratio_mean@sum", "actor/valid_sample_ratio@sum"})
+_ROLL_LOSS_MEANS = frozenset({"actor/pg_loss@sum", "actor/weighted_pg_loss@sum", "actor/total_loss@sum",
+                              "actor/approxkl@sum", "actor/policykl@sum", "actor/clipfrac@sum"})
+
+
+def _roll_by_sequence(preset: Preset, name: str) -> bool:
+    """ROLL's seq-mean-token-mean metrics: always the train-infer means and ratio_mean, the loss and its
+    statistics under loss_agg_mode seq-mean-token-mean (token-mean ones stay token-weighted)."""
+    return name in _ROLL_SEQUENCE_MEANS or (
+        preset.settings["loss_agg_mode"] == "seq-mean-token-mean" and name in _ROLL_LOSS_MEANS)
+
+
+BY_SEQUENCE: dict[str, Callable[[Preset, str], bool]] = {
+    "slime": lambda preset, name: True,
+    "nemo-rl": lambda preset, name: name in {"mean_seq_mult_prob_error", "mean_seq_mult_prob_error_after_mask"},
+    "roll": _roll_by_sequence,
 }
-"""Per framework, metric name -> whether it is a mean over the batch's sequences (weighted by sequences over the
-parts). slime @624b824a: loss.py reduces every reported metric with sum_of_sample_mean (per-sequence means summed)
-and train_one_step divides the micro-batches' sum by the step's sample count; NeMo-RL @7ea279ab: grpo.py's
-mean_seq_mult_prob_error is the mean over the step's valid sequences."""
+"""Per framework, (preset, metric name) -> whether the metric is a mean over the batch's sequences (weighted by
+sequences over the parts). slime @624b824a: loss.py reduces every reported metric with sum_of_sample_mean
+(per-sequence means summed) and train_one_step divides the micro-batches' sum by the step's sample count;
+NeMo-RL @7ea279ab: grpo.py's mean_seq_mult_prob_error is the mean over the step's valid sequences; ROLL @8eb27cc2:
+agg_loss seq-mean-token-mean divides by the mini-batch's global_valid_samples and reduce_metrics sums '@sum'."""
 
 
 def _no_extreme(name: str) -> None:
@@ -163,7 +180,9 @@ def run_presets(con, presets: Sequence[Preset], *, chunk_tokens: int = 1 << 20,
     info = pair_info(con)
     sums = {(p.name, i): _Sums(counts=COUNTS.get(p.framework, frozenset()),
                                extreme=EXTREMES.get(p.framework, _no_extreme),
-                               by_sequence=BY_SEQUENCE.get(p.framework, _by_token)) for p in presets
+                               by_sequence=functools.partial(BY_SEQUENCE[p.framework], p)
+                               if p.framework in BY_SEQUENCE else _by_token)
+            for p in presets
             for i in range(len(info))}
     for chunk in chunks(con, info, chunk_tokens=chunk_tokens, progress=progress):
         groups = np.zeros(chunk.n, dtype=np.int64)

@@ -1,7 +1,7 @@
 """presets_report's extremes: a metric that a framework reduces by max or min over its micro-batches (NeMo-RL's
 *_seq_mult_prob_error extremes, SkyRL's *_max/*_min, ROLL's @max/@min) is the max or min over the store's
 batches, equal to a numpy pass over the store's tokens, not a token-weighted mean of the batches' extremes; and a
-mean over sequences (every slime metric, NeMo-RL's mean_seq_mult_prob_error) is the mean over every sequence of
+mean over sequences (every slime metric, NeMo-RL's mean_seq_mult_prob_error, ROLL's seq-mean-token-mean ones) is the mean over every sequence of
 the store, the batches weighted by their sequences, not by their tokens."""
 
 from __future__ import annotations
@@ -18,12 +18,13 @@ from mismatch_lab.corrections.presets_report import EXTREMES, run_presets
 from mismatch_lab.store.reader import open_store
 
 STUDY = Path(__file__).resolve().parents[2] / "studies" / "batch-invariance"
-PRESETS = ("nemo-rl/default", "skyrl/token_tis", "roll/default", "slime/ppo")
+PRESETS = ("nemo-rl/default", "skyrl/token_tis", "roll/default", "roll/token-mean", "slime/ppo")
 RTOL = 64 * float(np.finfo(np.float64).eps)
 """The extremes are of float64 log-probs (the store's DOUBLE columns); sums of a sequence's terms in another
 order differ by a few units of float64 rounding."""
 RTOL32 = 4 * float(np.finfo(np.float32).eps)
-"""SkyRL's importance ratio is exp of the log-ratio rounded to float32 (safe_exp_delta's out_dtype here)."""
+"""SkyRL's importance ratio is exp of the log-ratio rounded to float32 (safe_exp_delta's out_dtype here); ROLL's
+masked means divide by a float32 count (its float32 rounding, kept by the transcription)."""
 
 
 @pytest.fixture(scope="module")
@@ -80,3 +81,14 @@ def test_roll_tagged_extremes_stay_extremes_and_untagged_metrics_stay_means(tabl
     for row in table[table.framework == "roll"].itertuples():
         assert row.metrics["actor/ratio_max@max"] == 1.0 and row.metrics["actor/ratio_min@min"] == 1.0
         assert {k for k in row.metrics if rule(k)} == {"actor/ratio_max@max", "actor/ratio_min@min"}
+
+
+def test_roll_seq_mean_token_mean_metrics_are_means_over_every_sequence_of_the_store(table, by_pair):
+    for key, g in by_pair.items():
+        log_r = (g.lp - g.lmu).groupby([g.run_id, g.seq_id])
+        token = np.exp(g.lp - g.lmu).groupby([g.run_id, g.seq_id]).mean().mean()
+        sequence = np.exp(log_r.sum()).mean()
+        for preset in ("roll/default", "roll/token-mean"):  # whatever the loss's mode, these are seq-means
+            m = _row(table, preset, key).metrics
+            assert m["actor/train_infer_ratio_token_mean@sum"] == pytest.approx(token, rel=RTOL32), (preset, key)
+            assert m["actor/train_infer_ratio_sequence_mean@sum"] == pytest.approx(sequence, rel=RTOL32), (preset, key)
