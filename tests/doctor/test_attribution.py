@@ -248,7 +248,11 @@ def test_every_stored_study_gets_attribution_rows_with_shares_in_0_1_or_a_reason
         assert (r["share"] is None and r["reason"]) or 0.0 <= r["share"] <= 1.0, r
         assert r["runs"] and r["evidence"] is not None
     assert {r["source"] for r in rows} == {*A.SOURCES, A.UNEXPLAINED}
-    assert [n for n in doc["not_measured"] if n["check"] == "support_bias"]  # no stored study holds log S
+    support = [c for c in doc["checks"] if c["check"] == "support_bias"]
+    if study == "sampling-support":  # the one stored study with log S: measured on its processed rollouts
+        assert support and all(c["pair"].split("/")[0].endswith("-processed") for c in support)
+    else:
+        assert not support and [n for n in doc["not_measured"] if n["check"] == "support_bias"]
 
 
 def test_on_fp8_rollout_weight_rounding_is_the_largest_share_of_the_fp8_rollout_pair(study_docs):

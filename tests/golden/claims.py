@@ -126,6 +126,13 @@ class Golden:
             raise LookupError(f"{study} corrections {where}: {len(found)} rows, expected one")
         return found[0]
 
+    def check(self, study: str, check: str, pair: str) -> dict:
+        """The single row of the `doctor` result kind's checks of `check` on `pair` ('rollout/scorer')."""
+        found = [r for r in self.docs[study]["doctor"]["checks"]["rows"] if r["check"] == check and r["pair"] == pair]
+        if len(found) != 1:
+            raise LookupError(f"{study} doctor {check} {pair}: {len(found)} rows, expected one")
+        return found[0]
+
     def train(self, loss: str, name: str) -> dict[int, float]:
         out = {r["step"]: r.get("value") for r in self.rows("dppo-sanity", "violations", source="train_metrics", name=name)
                if r["run_id"].startswith(f"dppo-sanity-train-{loss}-")}
@@ -476,6 +483,51 @@ def quotes(g: Golden) -> list[Quote]:
               (corr("vllm:bf16", "geo_mis")["frac_seqs_masked"], corr("vllm:fp16", "geo_mis")["frac_seqs_masked"])),
         Quote(8, "drops {68.4} % and {50.4} %",
               (corr("vllm:bf16", "gspo")["frac_seqs_masked"], corr("vllm:fp16", "gspo")["frac_seqs_masked"])),
+    ] + support_quotes(g)
+
+
+SS = "sampling-support"
+SS_PROC, SS_RAW, SS_PROC_BF16 = "vllm:fp32-p0.9-processed", "vllm:fp32-p0.9", "vllm:bf16-p0.9-processed"
+SS_COMBINED = "vllm:fp32-t0.7-k50-p0.9-processed"
+
+
+def support_quotes(g: Golden) -> list[Quote]:
+    """Claim 9: analyze key `support` and doctor's support_bias check on studies/sampling-support."""
+
+    def sup(rollout, scorer="hf:fp32"):  # the pair row of the support table
+        return g.one(SS, "support", view="pair", rollout=rollout, scorer=scorer)
+
+    def bias(rollout, scorer="hf:fp32"):  # doctor's support_bias row of the pair
+        return g.check(SS, "support_bias", f"{rollout}/{scorer}")
+
+    p, r, b, t = sup(SS_PROC), sup(SS_RAW), sup(SS_PROC_BF16), sup(SS_COMBINED)
+    rel = abs(p["dlogp_mean"] - p["log_s_mean"]) / abs(p["log_s_mean"])
+    worst = max(abs(v) for v in g.col(SS, "support", "residual_mean", view="mu_bucket", rollout=SS_PROC, scorer="hf:fp32"))
+    raw_rows = [c for c in g.docs[SS]["doctor"]["checks"]["rows"]
+                if c["check"] == "support_bias" and c["pair"].startswith(SS_RAW + "/")]
+    return [
+        Quote(9, "vllm:fp32-p0.9-processed/hf:fp32 (n = {3,423}): mean log S {−0.07284}, mean log r {−0.07284}",
+              (p["n_tokens"], p["log_s_mean"], p["dlogp_mean"])),
+        Quote(9, "relative difference {0.003} %", (rel,)),
+        Quote(9, "is {2e-6} nats over the pair and at most {3e-5} in absolute value in any μ bucket",
+              (p["residual_mean"], worst)),
+        Quote(9, "doctor's support_bias warns (\\|mean log S\\| / mean \\|log r\\| = {1.000}", (bias(SS_PROC)["value"],),
+              holds=bias(SS_PROC)["verdict"] == "warn"),
+        Quote(9, "(n = {3,398}): mean log S {−0.0726}, mean log r {−0.0719}, residual {0.0008} nats",
+              (b["n_tokens"], b["log_s_mean"], b["dlogp_mean"], b["residual_mean"])),
+        Quote(9, "against hf:bf16 mean log r {−0.0732} (support_bias {0.93} and {0.97}, both warn)",
+              (sup(SS_PROC_BF16, "hf:bf16")["dlogp_mean"], bias(SS_PROC_BF16, "hf:bf16")["value"],
+               bias(SS_PROC_BF16)["value"]),
+              holds=bias(SS_PROC_BF16, "hf:bf16")["verdict"] == bias(SS_PROC_BF16)["verdict"] == "warn"),
+        Quote(9, "(vllm:fp32-p0.9/hf:fp32, n = {1,730}): mean log S {−0.07241} but mean log r {−5.8e-8}",
+              (r["n_tokens"], r["log_s_mean"], r["dlogp_mean"])),
+        Quote(9, "support_bias has no row for raw μ ({0} rows)", (len(raw_rows),), holds=not raw_rows),
+        Quote(9, "within {0.003} % against the issue's bar", (rel,)),
+        Quote(9, "(processed, vllm:fp32-t0.7-k50-p0.9-processed/hf:fp32, n = {1,636}) mean log r is {−0.203} "
+                 "against mean log S {−0.0515}", (t["n_tokens"], t["dlogp_mean"], t["log_s_mean"])),
+        Quote(9, "(tempered, then renormalised to the support) is {−1.0e-7} nats", (t["residual_mean"],)),
+        Quote(9, "doctor's support_bias reads {0.23} there and passes", (bias(SS_COMBINED)["value"],),
+              holds=bias(SS_COMBINED)["verdict"] == "ok"),
     ]
 
 
@@ -569,6 +621,12 @@ CONTEXT = [
     Context(8, "±{0.1} %", "Geo-RS's band as a share"),
     Context(8, "bf{16} or fp{16}", "dtype names"),
     Context(7, "generated {1}, {8} or {32} requests per vLLM call", "the study's batch sizes (study.toml)"),
+    Context(9, "{64} prompts, ≤ {32} tokens, top-p {0.9}", "the study's size and sampling rule (study.toml)"),
+    Context(9, "the issue's bar of {1} %", "issue 37's acceptance bar"),
+    Context(9, "above {0.5}", "the support_bias band (doctor/bands.py)"),
+    Context(9, "With T {0.7}, top-k {50} and top-p {0.9} together", "the sampling rule (study.toml)"),
+    Context(9, "at T ≠ {1} log r", "the neutral temperature"),
+    Context(9, "confirmed at T = {1}:", "the neutral temperature"),
     *[Context(7, text, "figure 7 (fig7_batch_invariance, its caption): not analyze output, so not golden")
       for text in ("only {59} % (batch {8}) and {56} % (batch {32}) of the {32} responses",
                    "to the batch-{1} run", "mean \\|Δ log μ\\| is {0.030} nats (n = {679} / {677} tokens)",
