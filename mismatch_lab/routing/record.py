@@ -2,7 +2,7 @@
 sequence, and the contract's `routing` rows (store.schema COLUMNS["routing"]).
 
 The rollout side is the rollout engine's own PREFILL of the sampled tokens (prompt + response, prefix cache reset
-so every token is computed), not its decode steps: vLLM's `enable_return_routed_experts` (the routing of the
+so every token is computed; batched, rows mapped back and checked), not its decode steps: vLLM's `enable_return_routed_experts` (the routing of the
 decode steps themselves) needs the GPU model runner, and the in-process CPU engine exposes its MoE blocks only to
 hooks (`vllm_side.py`). A prefill routes the same tokens with the same weights and kernels at the engine's dtype,
 but in a different batch shape than the decode steps, so it is the engine's routing of these tokens, not
@@ -26,26 +26,26 @@ def is_moe(model_config: dict) -> bool:
     return any(c.get(k) for c in cfgs for k in MOE_CONFIG_KEYS)
 
 
-def _vllm(engine, token_ids: list[int]) -> Routing:
-    from mismatch_lab.routing.vllm_side import vllm_routing
+def _vllm(engine, sequences: list[list[int]]) -> list[Routing]:
+    from mismatch_lab.routing.vllm_side import vllm_routings
 
-    return vllm_routing(engine, token_ids)[0]
+    return vllm_routings(engine, sequences)
 
 
-def _hf(engine, token_ids: list[int]) -> Routing:
+def _hf(engine, sequences: list[list[int]]) -> list[Routing]:
     from mismatch_lab.routing.hf import hf_routing
 
-    return hf_routing(engine.model, token_ids)[0]
+    return [hf_routing(engine.model, ids)[0] for ids in sequences]
 
 
 ROLLOUT_CAPTURE = {"vllm": _vllm, "hf": _hf}
-"""rollout engine name -> (engine, prompt + response ids) -> the engine's routing of every token."""
+"""rollout engine name -> (engine, [prompt + response ids]) -> the engine's routing of every token of each."""
 
 
 def rollout_routings(engine_name: str, engine, sequences: list[list[int]]) -> list[Routing]:
-    """The rollout engine's routing of every token of each sequence (prompt + response), one prefill a sequence."""
-    capture = ROLLOUT_CAPTURE[engine_name]
-    return [capture(engine, ids) for ids in sequences]
+    """The rollout engine's routing of every token of each sequence (prompt + response): vLLM by batched
+    prefills whose rows are mapped back and checked (`vllm_side.vllm_routings`), HF one forward a sequence."""
+    return ROLLOUT_CAPTURE[engine_name](engine, sequences)
 
 
 def routing_table(run_id: str, side: str, seq_ids, routings: list[Routing], starts, lengths) -> pa.Table:

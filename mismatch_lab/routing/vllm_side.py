@@ -14,6 +14,7 @@ The model is reached with `LLM.apply_model` (runs in this process under VLLM_ENA
 
 from __future__ import annotations
 
+import itertools
 import os
 from contextlib import ExitStack, contextmanager
 
@@ -82,3 +83,68 @@ def vllm_routing(engine, token_ids: list[int]) -> tuple[Routing, np.ndarray]:
     routing = Routing(ids=np.stack(ids, axis=1), weights=np.stack(weights, axis=1),
                       margin=np.stack([margins(g[0].numpy(), k) for g in logits], axis=1))
     return routing, np.asarray(logps, dtype=np.float64)
+
+
+@contextmanager
+def _input_ids(engine):
+    """Yield a list receiving the input ids [T] of every forward of the engine's decoder (its token rows in order),
+    read at its token embedding (the decoder module itself is wrapped by vLLM's compile support: no hooks)."""
+    embedding = engine.llm.apply_model(lambda m: m)[0].model.embed_tokens
+    seen: list = []
+
+    def pre(mod, args, kwargs):
+        ids = args[0] if args else kwargs.get("input_")
+        if ids is not None:
+            seen.append(ids.detach().cpu().clone())
+
+    handle = embedding.register_forward_pre_hook(pre, with_kwargs=True)
+    try:
+        yield seen
+    finally:
+        handle.remove()
+
+
+def _group_routing(engine, blocks, seqs: list[list[int]]) -> list[Routing] | None:
+    """One prefill of all `seqs` together; their routings, or None when no single forward routed exactly their
+    tokens in submission order (checked against the token ids that forward embedded)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    total, flat = sum(len(s) for s in seqs), [t for s in seqs for t in s]
+    engine.llm.reset_prefix_cache()
+    with _input_ids(engine) as seen, _captured(blocks) as (logits, chosen):
+        engine.llm.generate([TokensPrompt(prompt_token_ids=s) for s in seqs], SamplingParams(max_tokens=1),
+                            use_tqdm=False)
+    if [x.shape[0] for x in seen].count(total) != 1 or next(x for x in seen if x.shape[0] == total).tolist() != flat:
+        return None
+    logits = [[g for g in calls if g.shape[0] == total] for calls in logits]
+    chosen = [[c for c in calls if c[1].shape[0] == total] for calls in chosen]
+    if any(len(x) != 1 for x in logits + chosen):
+        return None
+    k = chosen[0][0][1].shape[-1]
+    ids, weights = zip(*(_rank_ordered(c[0][0].numpy(), c[0][1].numpy()) for c in chosen))
+    whole = Routing(ids=np.stack(ids, axis=1), weights=np.stack(weights, axis=1),
+                    margin=np.stack([margins(g[0].numpy(), k) for g in logits], axis=1))
+    cuts = np.cumsum([0] + [len(s) for s in seqs])
+    return [Routing(whole.ids[a:b], whole.weights[a:b], whole.margin[a:b]) for a, b in itertools.pairwise(cuts)]
+
+
+def vllm_routings(engine, seqs: list[list[int]], max_batch_tokens: int = 2048) -> list[Routing]:
+    """The engine's routing of every token of each sequence, by batched prefills of up to `max_batch_tokens`
+    tokens (vLLM packs a group into one forward; rows mapped back in submission order, checked against the
+    embedded token ids, `_group_routing`); a group that does not map is prefilled one sequence per call."""
+    blocks = vllm_moe_blocks(engine)
+    groups, group, size = [], [], 0
+    for i, s in enumerate(seqs):
+        if group and size + len(s) > max_batch_tokens:
+            groups.append(group)
+            group, size = [], 0
+        group.append(i)
+        size += len(s)
+    groups += [group] if group else []
+    out: list = [None] * len(seqs)
+    for g in groups:
+        got = _group_routing(engine, blocks, [seqs[i] for i in g]) if len(g) > 1 else None
+        for i, r in zip(g, got or [vllm_routing(engine, seqs[i])[0] for i in g]):
+            out[i] = r
+    return out

@@ -58,3 +58,18 @@ def test_hf_replaying_vllms_routing_routes_every_token_as_vllm_did(routed, hf_fp
         replayed, _ = hf_routing(hf_fp32, ids, replay=v, use_weights=True)
         assert (replayed.ids == v.ids).all()
         np.testing.assert_allclose(replayed.weights, v.weights, rtol=FP32_EPS)
+
+
+def test_a_batched_prefill_maps_each_sequences_routing_back_as_its_own_prefill(vllm_fp32, token_seqs, routed):
+    """vllm_routings packs the sequences into one forward and splits its rows by the embedded token ids: the
+    batched routing equals each sequence's own prefill (ids; weights and margins to fp32 rounding)."""
+    from mismatch_lab.routing import vllm_side
+    from mismatch_lab.routing.vllm_side import vllm_routings
+
+    seqs = [*token_seqs, token_seqs[0][:7]]
+    blocks = vllm_side.vllm_moe_blocks(vllm_fp32)
+    assert vllm_side._group_routing(vllm_fp32, blocks, seqs) is not None  # one forward, rows mapped
+    alone = [v[0] for v, _ in routed] + [vllm_side.vllm_routing(vllm_fp32, seqs[-1])[0]]
+    for got, want in zip(vllm_routings(vllm_fp32, seqs), alone):
+        np.testing.assert_array_equal(got.ids, want.ids)
+        np.testing.assert_allclose(got.weights, want.weights, rtol=1e4 * np.finfo(np.float32).eps)
