@@ -148,12 +148,13 @@ def _run_description(root: Path, run_id: str) -> str:
 
 def unit_files(root: str | Path, units) -> dict[str, list[str]]:
     """table -> the committed files of the units (run_id, step) of a shard store, and every run row: what
-    `open_units` reads (as `shards.committed_files`, without the damage check: a damaged unit fails its query)."""
+    `open_units` reads (as `shards.committed_files`: a damaged unit is left out, as a whole-store read leaves it
+    out, and the pages say so from the store's own notice)."""
     from mismatch_lab.store.shards import committed_files
 
     root, wanted = Path(root), {(r, int(s)) for r, s in units}
     out: dict[str, list[str]] = {}
-    for table, files in committed_files(root, check=False).items():
+    for table, files in committed_files(root, damaged=[]).items():
         keep = files if table == "runs" else [f for f in files
                                               if (Path(f).parent.parent.name, int(Path(f).parent.name[5:])) in wanted]
         if keep:

@@ -218,3 +218,15 @@ def test_app_prepare_fills_the_cache_that_the_pages_then_read(duckdb_store, tmp_
     at = open_page(db, monkeypatch, "overview")
     assert not calls  # the page's precision table (and the doctor's) came from the prepared cache
     assert any("Precision table" in s.value for s in at.subheader)
+
+
+def test_the_training_page_leaves_a_damaged_shard_out_as_a_whole_store_read_does(tmp_path, monkeypatch, lab_ui):
+    path = tmp_path / "live"
+    with _recorder(path) as rec:
+        for step in range(3):
+            _log(rec, step, step)
+    shard = min(path.glob("scores/*/step-00000001/*.parquet"))
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])  # a node died mid-write
+    at = open_page(path, monkeypatch, "training")
+    assert not at.exception, at.exception
+    assert _per_step(at)["step"].tolist() == [0, 2]
