@@ -191,7 +191,7 @@ class _Store:
     """
 
     def __init__(self, path: str):
-        self.con = open_store(path)
+        self.con = open_store(path, snapshot=True)  # a DuckDB file: a copy, so no writer is ever kept out
         self._lock = threading.Lock()
         self._held: dict[int, object] = {}  # long-lived cursors (a pair's joined rows), closed with the store
         self._busy: dict[int, tuple[object, threading.Thread]] = {}  # queries in flight: cursor, thread

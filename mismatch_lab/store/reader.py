@@ -71,11 +71,15 @@ nor materialise columns that hold nothing."""
 SNAPSHOT_TRIES = 3  # a copy taken while the writer checkpoints can be torn; a retry a moment later is not
 
 
-def open_store(path: str | Path, run_ids: list[str] | None = None) -> duckdb.DuckDBPyConnection:
+def open_store(path: str | Path, run_ids: list[str] | None = None, *, snapshot: bool = False
+               ) -> duckdb.DuckDBPyConnection:
     """A read-only DuckDB connection on the store at `path` (module docstring). `run_ids`: the runs a command
     was asked for by name; a shard store where one of them lost a damaged unit is refused (UserError naming
-    the file and the fix) instead of read without it (`damaged_units`)."""
-    con = _open(Path(path).expanduser(), run_ids)
+    the file and the fix) instead of read without it (`damaged_units`). `snapshot`: a DuckDB file is always
+    read from a snapshot copy, so the connection holds no lock on it (the app keeps its connection open for
+    a session: a read-only connection on the file itself would keep `collect`, `train` or `runs --drop`
+    from opening it for writing)."""
+    con = _open(Path(path).expanduser(), run_ids, snapshot)
     con.execute("SET enable_progress_bar = false")  # DuckDB's bar would garble CLI tables and app logs
     con.execute(f"SET memory_limit = '{READER_MEMORY_LIMIT}'")
     # spill files go to a private folder, not beside the store (a study folder may be read-only)
@@ -85,11 +89,11 @@ def open_store(path: str | Path, run_ids: list[str] | None = None) -> duckdb.Duc
     return con
 
 
-def _open(p: Path, run_ids: list[str] | None = None) -> duckdb.DuckDBPyConnection:
+def _open(p: Path, run_ids: list[str] | None = None, snapshot: bool = False) -> duckdb.DuckDBPyConnection:
     if p.is_file() and p.name == "study.toml":
         p = p.parent
     if p.is_file():
-        return _open_file(p)
+        return _open_file(p, snapshot)
     if p.is_dir():
         if (p / "results").is_dir():
             return _open_parquet_dir(p / "results")
@@ -97,7 +101,7 @@ def _open(p: Path, run_ids: list[str] | None = None) -> duckdb.DuckDBPyConnectio
             return _open_parquet_dir(p, run_ids=run_ids)
         db = study_duckdb(p)
         if db is not None:
-            return _open_file(db)
+            return _open_file(db, snapshot)
         raise UserError(f"{p} holds neither <table>.parquet files, a results/ folder nor a .duckdb file; {ACCEPTED}")
     raise UserError(f"no such file or directory: {p}; {ACCEPTED}")
 
@@ -115,8 +119,8 @@ def study_duckdb(d: Path) -> Path | None:
     raise UserError(f"{d} holds several DuckDB files ({', '.join(x.name for x in dbs)}); pass one of them as the store")
 
 
-def _open_file(p: Path) -> duckdb.DuckDBPyConnection:
-    con = _connect_file(p)
+def _open_file(p: Path, snapshot: bool = False) -> duckdb.DuckDBPyConnection:
+    con = _open_snapshot(p) if snapshot else _connect_file(p)
     try:
         why = not_ours(con)
         if why is not None:

@@ -230,3 +230,16 @@ def test_the_training_page_leaves_a_damaged_shard_out_as_a_whole_store_read_does
     at = open_page(path, monkeypatch, "training")
     assert not at.exception, at.exception
     assert _per_step(at)["step"].tolist() == [0, 2]
+
+
+def test_a_duckdb_store_open_in_the_app_can_still_be_opened_for_writing(tmp_path, monkeypatch, duckdb_store):
+    import shutil
+
+    from mismatch_lab.store.writer import StoreWriter
+
+    db = tmp_path / "open.duckdb"
+    shutil.copyfile(duckdb_store, db)
+    at = open_page(db, monkeypatch, "overview")  # the page's store connection stays open for the session
+    writer = StoreWriter(db)  # what collect, train and `runs --drop` do: refused while a reader held the file
+    writer.close()
+    assert not at.exception
