@@ -188,6 +188,18 @@ def _open_snapshot(p: Path) -> duckdb.DuckDBPyConnection:
     )
 
 
+def _unreadable(d: Path, table: str, files: dict[str, list[str]] | None, exc: Exception) -> str:
+    """The message for a table DuckDB cannot read: in a shard store, the first of its files that DuckDB cannot
+    read on its own, named with its run and the fix (a file whose ends are intact but whose inside is not, which
+    the open-time check does not see); in an exported store, the re-export."""
+    for path in (files or {}).get(table, []):
+        try:
+            duckdb.sql(f"DESCRIBE SELECT * FROM read_parquet({_quote(path)})").fetchall()
+        except duckdb.Error as one:
+            return Damaged(d, table, path, _last_line(one)).line() + f"; `mismatch-lab runs --db {d} --check` lists every one"
+    return f"cannot read the {table} table of {d} as Parquet ({_last_line(exc)}); re-export the store"
+
+
 def _quote(path: str) -> str:
     return "'" + path.replace("'", "''") + "'"
 
@@ -310,7 +322,7 @@ def _open_parquet_dir(d: Path, files: dict[str, list[str]] | None = None,
             check_columns(d, table, present)
         except duckdb.Error as exc:
             con.close()
-            raise UserError(f"cannot read the {table} table of {d} as Parquet ({_last_line(exc)}); re-export the store") from exc
+            raise UserError(_unreadable(d, table, files, exc)) from exc
         except UserError:
             con.close()
             raise

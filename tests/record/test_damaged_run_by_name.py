@@ -86,3 +86,17 @@ def test_doctor_marks_the_pairs_of_the_damaged_run_incomplete_and_no_other(capsy
     code, out, _ = _cli(capsys, "doctor", "--db", pristine, "--json", tmp_path / "whole.json")
     assert code == 0 and "incomplete" not in out
     assert json.loads((tmp_path / "whole.json").read_text())["incomplete"] == {}
+
+
+def test_a_shard_whose_ends_are_intact_but_footer_is_not_is_named_with_its_run_and_the_fix(capsys, pristine, tmp_path):
+    root = tmp_path / "store"
+    shutil.copytree(pristine, root)
+    bad = shards.shard_path(root, "tokens", "B", 1, f"{shards.rank_prefix(0)}-part-0000")
+    data = bytearray(bad.read_bytes())
+    for i in range(len(data) - 200, len(data) - 12):  # inside the footer's metadata; 'PAR1' and its length kept
+        data[i] ^= 0x5A
+    bad.write_bytes(bytes(data))
+    code, out, err = _cli(capsys, "analyze", "--db", root)
+    assert code == 2 and out == ""
+    (line,) = err.strip().splitlines()
+    assert f"damaged shard {bad} of run 'B'" in line and "--drop B" in line and "re-export" not in line
