@@ -28,7 +28,10 @@ CPU_KV_BYTES = 1 << 30  # vLLM CPU backend: KV cache given explicitly (kv_cache_
 
 @dataclass(frozen=True)
 class Shapes:
-    """The sizes of a dense decoder-only transformer that the plan needs, read from its HF config."""
+    """The sizes of a decoder-only transformer that the plan needs, read from its HF config. An MoE decoder
+    (Qwen2/Qwen3-MoE and Mixtral-style configs: `num_experts` / `num_local_experts`, `moe_intermediate_size`,
+    `num_experts_per_tok`, `decoder_sparse_step`, `mlp_only_layers`) has `experts` > 0: its MoE layers hold
+    every expert's gate/up/down, the router and any shared expert; its other layers the dense MLP."""
 
     vocab: int
     hidden: int
@@ -41,37 +44,55 @@ class Shapes:
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
+    qk_norm: bool = False  # RMSNorm on each head's q and k (Qwen3, Qwen3-MoE)
+    experts: int = 0  # routed experts per MoE layer (0: a dense decoder)
+    expert_intermediate: int = 0
+    experts_per_token: int = 0
+    shared_intermediate: int = 0  # a shared expert's width (Qwen2-MoE), 0 without
+    moe_layers: int = 0
 
     @classmethod
     def from_config(cls, config: dict) -> Shapes:
         c = config.get("text_config") or config
-        if any(c.get(k) for k in ("num_local_experts", "num_experts", "n_routed_experts")):
-            raise UserError("the memory plan knows dense decoders only, this config has experts; "
-                            "pass --memory-plan off to run without it")
+        if c.get("n_routed_experts"):  # DeepSeek-style MoE: other layer and expert layouts
+            raise UserError("the memory plan knows dense and Qwen/Mixtral-style MoE decoders, not this config's "
+                            "experts (n_routed_experts); pass --memory-plan off to run without it")
         try:
             heads = int(c["num_attention_heads"])
             hidden = int(c["hidden_size"])
-            bias = bool(c.get("attention_bias", c.get("model_type") in ("qwen2",)))
+            bias = bool(c.get("attention_bias", c.get("model_type") in ("qwen2", "qwen2_moe")))
             return cls(vocab=int(c["vocab_size"]), hidden=hidden, layers=int(c["num_hidden_layers"]), heads=heads,
                        kv_heads=int(c.get("num_key_value_heads") or heads),
                        head_dim=int(c.get("head_dim") or hidden // heads), intermediate=int(c["intermediate_size"]),
                        tied=bool(c.get("tie_word_embeddings", False)), qkv_bias=bias,
-                       o_bias=bool(c.get("attention_bias", False)), mlp_bias=bool(c.get("mlp_bias", False)))
+                       o_bias=bool(c.get("attention_bias", False)), mlp_bias=bool(c.get("mlp_bias", False)),
+                       qk_norm=c.get("model_type") in ("qwen3", "qwen3_moe"), **_moe_shapes(c))
         except (KeyError, TypeError, ValueError) as exc:
             raise UserError(f"the model config lacks {exc} for the memory plan; pass --memory-plan off") from exc
 
     def layer_params(self) -> int:
+        """Parameters of a dense layer (an MoE layer's MLP: `moe_mlp_params`)."""
         d, q, kv, i = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.intermediate
         attn = d * q + 2 * d * kv + q * d + (q + 2 * kv if self.qkv_bias else 0) + (d if self.o_bias else 0)
         mlp = 3 * d * i + (2 * i + d if self.mlp_bias else 0)  # gate, up, down
-        return attn + mlp + 2 * d  # two RMSNorm weights
+        return attn + mlp + 2 * d + (2 * self.head_dim if self.qk_norm else 0)  # RMSNorm weights
+
+    def moe_mlp_params(self) -> int:
+        """An MoE layer's MLP: every expert's gate/up/down, the router, a shared expert and its gate."""
+        d = self.hidden
+        shared = 3 * d * self.shared_intermediate + d if self.shared_intermediate else 0
+        return self.experts * 3 * d * self.expert_intermediate + d * self.experts + shared
+
+    def all_layer_params(self) -> int:
+        dense_mlp = 3 * self.hidden * self.intermediate + (2 * self.intermediate + self.hidden if self.mlp_bias else 0)
+        return self.layers * self.layer_params() + self.moe_layers * (self.moe_mlp_params() - dense_mlp)
 
     def head_params(self) -> int:
         return self.vocab * self.hidden
 
     def params(self) -> int:
         """Every parameter: embedding, layers, final norm, and the lm_head unless tied to the embedding."""
-        return self.head_params() * (1 if self.tied else 2) + self.layers * self.layer_params() + self.hidden
+        return self.head_params() * (1 if self.tied else 2) + self.all_layer_params() + self.hidden
 
     def kv_bytes_per_token(self, dtype: str) -> int:
         return 2 * self.layers * self.kv_heads * self.head_dim * BYTES[dtype]
@@ -80,13 +101,28 @@ class Shapes:
         """Peak live activations of a no-grad forward over `tokens` padded tokens of sequences `width` long:
         the residual stream and its norm, q/k/v/attention output, the MLP's gate/up/product, and the
         attention scores of a non-fused kernel (tokens x heads x width)."""
-        per_token = 2 * self.hidden + 2 * (self.heads + self.kv_heads) * self.head_dim + 3 * self.intermediate
+        moe = 3 * (self.expert_intermediate * self.experts_per_token + self.shared_intermediate) + self.experts
+        mlp = max(3 * self.intermediate if self.moe_layers < self.layers else 0, moe if self.experts else 0)
+        per_token = 2 * self.hidden + 2 * (self.heads + self.kv_heads) * self.head_dim + mlp
         return tokens * (per_token + self.heads * width) * BYTES[dtype]
 
     def vocab_chunk_bytes(self, rows: int, dtype: str) -> int:
         """One chunk of the vocabulary projection: logits in the dtype, fp32 log-softmax, its exp, the reference
         chunk's log-softmax and exp, and one temporary (`logsoftmax.chunked_row_stats`)."""
         return rows * self.vocab * (BYTES[dtype] + 5 * 4)
+
+
+def _moe_shapes(c: dict) -> dict:
+    """The MoE fields of `Shapes` from a config (all 0 for a dense decoder)."""
+    experts = int(c.get("num_experts") or c.get("num_local_experts") or 0)
+    if not experts:
+        return {}
+    layers, step = int(c["num_hidden_layers"]), int(c.get("decoder_sparse_step") or 1)
+    dense = set(c.get("mlp_only_layers") or ())
+    moe_layers = sum(1 for n in range(layers) if n not in dense and (n + 1) % step == 0)
+    return {"experts": experts, "expert_intermediate": int(c.get("moe_intermediate_size") or c["intermediate_size"]),
+            "experts_per_token": int(c["num_experts_per_tok"]),
+            "shared_intermediate": int(c.get("shared_expert_intermediate_size") or 0), "moe_layers": moe_layers}
 
 
 @dataclass

@@ -116,3 +116,34 @@ def test_collect_refuses_an_unfitting_plan_in_one_line_before_writing(tmp_path, 
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "memory plan" in err[0] and "--scorer-dtypes" in err[0], err
     assert not db.exists()
+
+
+MOE_SHAPES = {  # published configs (config.json of each checkpoint), shapes only
+    "qwen3-30b-a3b": {"model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048, "num_hidden_layers": 48,
+                      "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 6144,
+                      "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,
+                      "decoder_sparse_step": 1, "mlp_only_layers": [], "tie_word_embeddings": False},
+    "mixtral-8x7b": {"model_type": "mixtral", "vocab_size": 32000, "hidden_size": 4096, "num_hidden_layers": 32,
+                     "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336,
+                     "num_local_experts": 8, "num_experts_per_tok": 2, "tie_word_embeddings": False},
+    "qwen1.5-moe-a2.7b": {"model_type": "qwen2_moe", "vocab_size": 151936, "hidden_size": 2048, "num_hidden_layers": 24,
+                          "num_attention_heads": 16, "num_key_value_heads": 16, "intermediate_size": 5632,
+                          "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632, "num_experts": 60,
+                          "num_experts_per_tok": 4, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                          "tie_word_embeddings": False},
+    "sparse-step-2": {"model_type": "qwen3_moe", "vocab_size": 1000, "hidden_size": 64, "num_hidden_layers": 4,
+                      "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 96,
+                      "moe_intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2,
+                      "decoder_sparse_step": 2, "mlp_only_layers": [3], "tie_word_embeddings": True},
+}
+
+
+@pytest.mark.parametrize("config", list(MOE_SHAPES.values()), ids=list(MOE_SHAPES))
+def test_the_plans_count_of_an_moe_decoder_equals_the_real_architecture_built_on_the_meta_device(config):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    conf = AutoConfig.for_model(**config)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(conf)
+    assert Shapes.from_config(config).params() == sum(p.numel() for p in model.parameters())
