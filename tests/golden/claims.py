@@ -483,7 +483,7 @@ def quotes(g: Golden) -> list[Quote]:
               (corr("vllm:bf16", "geo_mis")["frac_seqs_masked"], corr("vllm:fp16", "geo_mis")["frac_seqs_masked"])),
         Quote(8, "drops {68.4} % and {50.4} %",
               (corr("vllm:bf16", "gspo")["frac_seqs_masked"], corr("vllm:fp16", "gspo")["frac_seqs_masked"])),
-    ] + support_quotes(g)
+    ] + support_quotes(g) + routing_quotes(g)
 
 
 SS = "sampling-support"
@@ -528,6 +528,44 @@ def support_quotes(g: Golden) -> list[Quote]:
         Quote(9, "(tempered, then renormalised to the support) is {−1.0e-7} nats", (t["residual_mean"],)),
         Quote(9, "doctor's support_bias reads {0.23} there and passes", (bias(SS_COMBINED)["value"],),
               holds=bias(SS_COMBINED)["verdict"] == "ok"),
+    ]
+
+
+MR = "moe-routing"
+
+
+def routing_quotes(g: Golden) -> list[Quote]:
+    """Claim 10: analyze key `routing` on studies/moe-routing (views 'pair', 'layer', 'margin')."""
+
+    def pair(rollout, scorer="hf:fp32"):  # the pair row of the routing table
+        return g.one(MR, "routing", view="pair", rollout=rollout, scorer=scorer)
+
+    def margin(lo, rollout="vllm:bf16"):  # the margin-bucket row starting at lo
+        return g.one(MR, "routing", view="margin", rollout=rollout, scorer="hf:fp32", margin_lo=lo)
+
+    b, b3, h, f = pair("vllm:bf16"), pair("vllm:bf16", "hf:fp32-r3"), pair("vllm:fp16"), pair("vllm:fp32")
+    per_layer = [g.one(MR, "routing", view="layer", rollout="vllm:bf16", scorer="hf:fp32", layer=i)["flip_rate"]
+                 for i in range(b["layers"])]
+    low, high = margin(0.0), margin(1.0)
+    return [
+        Quote(10, "vllm:bf16: {125} of {2,048} tokens ({6.1} %, `any_layer_differs` {0.06104})",
+              (b["tokens_flip"], b["tokens"], b["any_layer_differs"], b["any_layer_differs"])),
+        Quote(10, "({165} of {8,192} (token, layer) cells; per layer {0.3} %, {0.7} %, {2.4} %, {4.6} % from input to output",
+              (b["flips"], b["cells"], *per_layer)),
+        Quote(10, "{20} of the {29} cells with rollout margin < 1e-3 flip, {8} of the {1,876} above 1)",
+              (low["flips"], low["cells"], high["flips"], high["cells"]),
+              holds=low["margin_hi"] == 1e-3 and "margin_hi" not in high),
+        Quote(10, "Mean \\|Δp\\| {0.02523} against hf:fp32, {0.0136} against hf:fp32-r3 (same tokens, no flip left)",
+              (b["abs_dp_mean"], b["abs_dp_mean_r3"]),
+              holds=b3["flips"] == 0 and b3["tokens"] == b["tokens"] and b3["abs_dp_mean"] == b["abs_dp_mean_r3"]),
+        Quote(10, "R3 removes **{46} %** (`r3_share` {0.4609})", (b["r3_share"], b["r3_share"])),
+        Quote(10, "tokens with a flip have mean \\|Δp\\| {0.1725}, those without {0.01566}",
+              (b["abs_dp_mean_flip"], b["abs_dp_mean_no_flip"])),
+        Quote(10, "vllm:fp16: {21} tokens ({1.0} %), {0.004348} → {0.001838} ({58} %)",
+              (h["tokens_flip"], h["any_layer_differs"], h["abs_dp_mean"], h["abs_dp_mean_r3"], h["r3_share"])),
+        Quote(10, "vllm:fp32: no flip, {1.94e-06} with or without R3", ([f["abs_dp_mean"], f["abs_dp_mean_r3"]],),
+              holds=f["flips"] == 0),
+        Quote(10, "here about half of the bf16 mismatch is routing", (), holds=0.4 <= b["r3_share"] <= 0.6),
     ]
 
 
@@ -636,4 +674,7 @@ CONTEXT = [
                    "hf:fp32 moves by {2.8e-6} ({15} % bit-identical)",
                    "({64} vs {1,024} rows) changes nothing ({100} % bit-identical",
                    "fp32 does not, to {1e-5}")],
+    Context(10, "cells with rollout margin < {1e-3} flip", "a margin bucket's bound (routing/compare.py MARGIN_EDGES)"),
+    Context(10, "of the 1,876 above {1})", "a margin bucket's bound"),
+    Context(10, "a synthetic {4}-layer model on CPU", "the model's size (mismatch-lab model tiny-moe)"),
 ]
