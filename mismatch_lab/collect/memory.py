@@ -205,8 +205,9 @@ def plan_memory(shapes: Shapes, w: Workload, device: str, total: int, *, gpus: i
 
 
 def _bytes(scorer_dtype: str) -> int:
-    """Bytes per parameter of an HF scorer dtype: that of its compute dtype ('fp32-wbf16' computes in fp32)."""
-    return BYTES[scorer_dtype.partition("-w")[0]]
+    """Bytes per parameter of an HF scorer dtype: that of its compute dtype ('fp32-wbf16' computes in fp32, the
+    R3 scorer 'fp32-r3' too; counted as a model of its own even where it shares the loaded fp32 one)."""
+    return BYTES[scorer_dtype.partition("-")[0]]
 
 
 def _scorer_items(shapes: Shapes, w: Workload, placement: str, gpus: int) -> list[Item]:
@@ -222,7 +223,7 @@ def _scorer_items(shapes: Shapes, w: Workload, placement: str, gpus: int) -> lis
         items.append(Item("HF scorer decoder in its turn", P * _bytes(big), f"the largest ({big}), one at a time"))
         items += [Item(f"HF scorer lm_head {d}", shapes.head_params() * _bytes(d), "on the device for phase 2")
                   for d in w.scorer_dtypes]
-    worst = max(w.scorer_dtypes, key=_bytes).partition("-w")[0]
+    worst = max(w.scorer_dtypes, key=_bytes).partition("-")[0]
     width = min(w.seq_len, w.batch_tokens)
     act = shapes.forward_activation_bytes(w.batch_tokens, width, worst) + shapes.vocab_chunk_bytes(w.chunk_rows, worst)
     kept = sum(_bytes(d) for d in w.scorer_dtypes) * H
