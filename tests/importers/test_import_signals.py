@@ -26,7 +26,8 @@ N_FILES, STEPS, LINES, TOKENS = 6, 4, 300, 40
 """Six source files of 300 sequences of 40 tokens over four steps: 24 units, 72 shard files to commit."""
 
 _PAUSING = """
-import os, sys, time
+import os, signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)  # a shell's background job passes SIGINT ignored
 from mismatch_lab.store import shards
 point, k = sys.argv[1], int(sys.argv[2])
 def pause():
@@ -231,7 +232,7 @@ def test_a_signal_inside_signals_deferred_reaches_its_handler_once_the_block_end
         seen.append(signum)
         raise KeyboardInterrupt
 
-    old = signal.signal(signal.SIGTERM, handler)
+    old, before_int = signal.signal(signal.SIGTERM, handler), signal.getsignal(signal.SIGINT)
     try:
         with pytest.raises(KeyboardInterrupt), shards.signals_deferred():
             os.kill(os.getpid(), signal.SIGTERM)  # a real signal: handled (recorded) at once, raised later
@@ -240,7 +241,7 @@ def test_a_signal_inside_signals_deferred_reaches_its_handler_once_the_block_end
                 pass
             seen.append("block ended")
         assert seen == ["block ended", signal.SIGTERM]
-        assert signal.getsignal(signal.SIGTERM) is handler and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert signal.getsignal(signal.SIGTERM) is handler and signal.getsignal(signal.SIGINT) is before_int
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         with shards.signals_deferred():
             os.kill(os.getpid(), signal.SIGTERM)  # an ignored signal stays ignored

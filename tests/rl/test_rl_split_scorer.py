@@ -80,7 +80,7 @@ def test_a_real_step_logs_the_split_next_to_the_mismatch_metrics(tiny_model):
     from transformers import AutoModelForCausalLM
 
     from mismatch_lab.record.flat import TextLookup
-    from mismatch_lab.rl.loop import run_step
+    from mismatch_lab.rl.loop import LaggedSync, run_step
     from mismatch_lab.rl.tasks import TASKS
     from mismatch_lab.runtime import load_tokenizer
 
@@ -92,6 +92,7 @@ def test_a_real_step_logs_the_split_next_to_the_mismatch_metrics(tiny_model):
     ctx = {"engine": _FakeEngine(), "tokenizer": tok, "task": TASKS[cfg.task], "model": model,
            "optimizer": torch.optim.AdamW(model.parameters(), lr=cfg.lr), "loss_cfg": cfg.loss_config(),
            "use_topk": False, "writer": _FakeWriter(), "run_id": "r", "scorer": "hf:fp32", "texts": TextLookup(tok)}
+    ctx["sync"] = LaggedSync(ctx["engine"], model, cfg.rollout_weights, cfg.policy_lag)  # as loop.train sets it
     m1 = run_step(cfg, ctx, 1)
     m2 = run_step(cfg, ctx, 2)
     for m in (m1, m2):
