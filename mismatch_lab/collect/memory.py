@@ -72,10 +72,14 @@ class Shapes:
 
     def layer_params(self) -> int:
         """Parameters of a dense layer (an MoE layer's MLP: `moe_mlp_params`)."""
-        d, q, kv, i = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.intermediate
+        d, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
         attn = d * q + 2 * d * kv + q * d + (q + 2 * kv if self.qkv_bias else 0) + (d if self.o_bias else 0)
-        mlp = 3 * d * i + (2 * i + d if self.mlp_bias else 0)  # gate, up, down
-        return attn + mlp + 2 * d + (2 * self.head_dim if self.qk_norm else 0)  # RMSNorm weights
+        return attn + self.dense_mlp_params() + 2 * d + (2 * self.head_dim if self.qk_norm else 0)  # RMSNorm weights
+
+    def dense_mlp_params(self) -> int:
+        """A dense layer's MLP: gate, up, down (and their biases)."""
+        d, i = self.hidden, self.intermediate
+        return 3 * d * i + (2 * i + d if self.mlp_bias else 0)
 
     def moe_mlp_params(self) -> int:
         """An MoE layer's MLP: every expert's gate/up/down, the router, a shared expert and its gate."""
@@ -84,8 +88,8 @@ class Shapes:
         return self.experts * 3 * d * self.expert_intermediate + d * self.experts + shared
 
     def all_layer_params(self) -> int:
-        dense_mlp = 3 * self.hidden * self.intermediate + (2 * self.intermediate + self.hidden if self.mlp_bias else 0)
-        return self.layers * self.layer_params() + self.moe_layers * (self.moe_mlp_params() - dense_mlp)
+        """Every layer: `layer_params` each, an MoE layer's MLP in place of the dense one."""
+        return self.layers * self.layer_params() + self.moe_layers * (self.moe_mlp_params() - self.dense_mlp_params())
 
     def head_params(self) -> int:
         return self.vocab * self.hidden
