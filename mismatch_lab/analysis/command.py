@@ -26,6 +26,7 @@ from mismatch_lab.analysis import ANALYSES
 from mismatch_lab.cli import json_output
 from mismatch_lab.errors import UserError
 from mismatch_lab.store.reader import STORE_HELP
+from mismatch_lab.store.run_option import add_run_id_argument, asked_runs, open_runs
 
 # The column that splits each analysis into its sub-tables for printing (see run_all).
 SPLIT = {"volatility": "scale", "clipping": "view", "precision": "comparison", "violations": "source", "support": "view",
@@ -44,8 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "unknown (repeatable; default: all)")
     parser.add_argument("--scorer", action="append", metavar="ENGINE:DTYPE",
                         help="only this scorer, e.g. hf:fp32 (repeatable; default: all)")
-    parser.add_argument("--run-id", action="append", dest="run_ids", metavar="RUN_ID",
-                        help="only this run (repeatable; default: all)")
+    add_run_id_argument(parser)
     parser.add_argument("--top-n", type=int, default=30, help="how many most-clipped token strings to list (default 30)")
     shown = parser.add_mutually_exclusive_group()
     shown.add_argument("--table", action="append", choices=ANALYSES, metavar="NAME",
@@ -56,16 +56,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from mismatch_lab.analysis import run_all
     from mismatch_lab.analysis.summary import analyze_summary, store_counts
-    from mismatch_lab.store.reader import open_store
-
     if args.top_n < 1:
         raise UserError(f"--top-n must be at least 1, got {args.top_n}")
     json_path = json_output(args.json, "analysis.json")
-    con = open_store(args.db, run_ids=args.run_ids)  # a run asked for by name must be whole
+    run_ids = asked_runs(args)
+    con = open_runs(args.db, run_ids, restrict=False)  # a run asked for by name must be whole; run_all filters
     try:
         t0 = time.perf_counter()
 
-        tables = run_all(con, rollout=args.rollout, scorer=args.scorer, run_ids=args.run_ids,
+        tables = run_all(con, rollout=args.rollout, scorer=args.scorer, run_ids=run_ids,
                          top_n=args.top_n, progress=_progress(sys.stderr.isatty()), flags=True)  # fmt: skip
         if sys.stderr.isatty():
             print("\r\033[K", end="", file=sys.stderr, flush=True)  # the progress line is gone before the output

@@ -24,11 +24,13 @@ import sys
 from mismatch_lab.cli import json_output
 from mismatch_lab.errors import UserError
 from mismatch_lab.store.reader import STORE_HELP
+from mismatch_lab.store.run_option import add_run_id_argument, asked_runs, open_runs
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--db", metavar="PATH", help=STORE_HELP + " (required unless --list-presets)")
     parser.add_argument("--json", metavar="FILE", help="also write every table to FILE as JSON (NaN -> null)")
+    add_run_id_argument(parser)
     parser.add_argument("--set", action="append", default=[], metavar="METHOD.PARAM=VALUE", dest="overrides",
                         help="override a published threshold, e.g. seq_mis.cap=2 (repeatable; docs/corrections.md)")
     parser.add_argument("--chunk-tokens", type=int, default=1 << 20,
@@ -78,8 +80,6 @@ def chosen_presets(names: list[str], frameworks: list[str]) -> list:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mismatch_lab.store.reader import open_store
-
     if args.list_presets:
         from mismatch_lab.corrections.frameworks import presets
         from mismatch_lab.corrections.presets_report import list_presets
@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
     if chosen and args.overrides:
         raise UserError("--set changes the generic rules' thresholds; a preset is fixed: drop --set or --preset")
     overrides = parse_overrides(args.overrides)
-    con = open_store(args.db)
+    con = open_runs(args.db, asked_runs(args))  # only these runs' tokens are compared
     if chosen:
         return _run_presets(con, chosen, args, json_path)
     return _run_rules(con, overrides, args, json_path)

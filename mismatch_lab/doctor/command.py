@@ -11,10 +11,12 @@ bad input (cli.py prints the UserError). docs/doctor.md lists every check, band 
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 
 from mismatch_lab.cli import json_output
 from mismatch_lab.doctor.checks import CHECKS, GATES
 from mismatch_lab.errors import UserError
+from mismatch_lab.store.run_option import add_run_id_argument, asked_runs, open_runs
 
 PROBE_DEFAULTS = {"engine": "vllm", "rollout_dtype": "bf16", "trainer_dtype": "fp32"}
 
@@ -23,6 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
     a("--db", metavar="PATH", help="the store (a .duckdb file, Parquet folder, study directory or shard store); "
                                    f"with --model the DuckDB file the probe writes (default {_default_db()})")
+    add_run_id_argument(parser)
     a("--model", help="probe this model first ('default' = the embedded SmolLM2-135M-Instruct, an HF directory or "
                       "hub id); without --model and --db the embedded model is probed")
     a("--rollout-dtype", dest="rollout_dtype", help="probe: rollout dtype(s), comma list of bf16,fp16,fp32 (default bf16)")
@@ -67,11 +70,13 @@ def _split(value: str) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     from mismatch_lab.doctor.report import diagnose, text_report, write_json
-    from mismatch_lab.store.reader import open_store
-
     json_path = json_output(args.json, "doctor.json")
+    run_ids = asked_runs(args)
+    if run_ids and (args.model or not args.db):
+        raise UserError("--run-id picks runs of the store --db names; the probe (--model, or no --db) is judged "
+                        "whole: drop --run-id, or pass --db without --model")
     store = _probe_store(args)
-    con = open_store(store)
+    con = open_runs(store, run_ids)  # only these runs' rows are measured
     try:
         dx = diagnose(con, store, args.gate)
     finally:
@@ -79,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     if args.gate and not any(args.gate in r["gates"] for r in [*dx.checks, *dx.failed]):
         raise UserError(f"--gate {args.gate}: {store} holds nothing its checks measure (no scored tokens); "
                         "pass a store with rollout and scorer log-probs, or probe one with --model")
-    print(text_report(dx))
+    print(text_report(replace(dx, store=f"{store} (--run-id {','.join(run_ids)})") if run_ids else dx))
     if json_path is not None:
         write_json(dx, json_path)
         print(f"wrote {json_path}")
