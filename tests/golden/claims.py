@@ -483,12 +483,14 @@ def quotes(g: Golden) -> list[Quote]:
               (corr("vllm:bf16", "geo_mis")["frac_seqs_masked"], corr("vllm:fp16", "geo_mis")["frac_seqs_masked"])),
         Quote(8, "drops {68.4} % and {50.4} %",
               (corr("vllm:bf16", "gspo")["frac_seqs_masked"], corr("vllm:fp16", "gspo")["frac_seqs_masked"])),
-    ] + support_quotes(g) + routing_quotes(g)
+    ] + support_quotes(g) + support_factor_quotes(g) + routing_quotes(g)
 
 
 SS = "sampling-support"
 SS_PROC, SS_RAW, SS_PROC_BF16 = "vllm:fp32-p0.9-processed", "vllm:fp32-p0.9", "vllm:bf16-p0.9-processed"
 SS_COMBINED = "vllm:fp32-t0.7-k50-p0.9-processed"
+SS_T07, SS_K50 = "vllm:fp32-t0.7-processed", "vllm:fp32-k50-processed"
+SS_RAW_BF16, SS_COMBINED_BF16 = "vllm:bf16-p0.9", "vllm:bf16-t0.7-k50-p0.9-processed"
 
 
 def support_quotes(g: Golden) -> list[Quote]:
@@ -528,6 +530,43 @@ def support_quotes(g: Golden) -> list[Quote]:
         Quote(9, "(tempered, then renormalised to the support) is {−1.0e-7} nats", (t["residual_mean"],)),
         Quote(9, "doctor's support_bias reads {0.23} there and passes", (bias(SS_COMBINED)["value"],),
               holds=bias(SS_COMBINED)["verdict"] == "ok"),
+    ]
+
+
+def support_factor_quotes(g: Golden) -> list[Quote]:
+    """Claim 9, second half: T 0.7 and top-k 50 alone (fp32), and the bf16 rollouts against the hf:fp32 trainer."""
+
+    def sup(rollout):  # the pair row of the support table, trainer hf:fp32
+        return g.one(SS, "support", view="pair", rollout=rollout, scorer="hf:fp32")
+
+    def abs_logr(rollout):  # mean |log r| of the pair (analyze precision)
+        return g.one(SS, "precision", comparison="rollout_vs_scorer", rollout=rollout, scorer="hf:fp32")["abs_dlogp_mean"]
+
+    t, k, rb, cb = sup(SS_T07), sup(SS_K50), sup(SS_RAW_BF16), sup(SS_COMBINED_BF16)
+    k_rel = abs(k["dlogp_mean"] - k["log_s_mean"]) / abs(k["log_s_mean"])
+    k_bias = g.check(SS, "support_bias", f"{SS_K50}/hf:fp32")
+    bias_over_noise = abs(sup(SS_PROC_BF16)["log_s_mean"]) / abs_logr(SS_RAW_BF16)
+    return [
+        Quote(9, "(vllm:fp32-t0.7-processed, n = {1,692}) cuts nothing (mean log S {0}) yet gives mean log r {−0.101} "
+                 "and mean \\|log r\\| {0.218}", (t["n_tokens"], t["log_s_mean"], t["dlogp_mean"], abs_logr(SS_T07))),
+        Quote(9, "with a residual against the tempered π of {−1.0e-6} nats", (t["residual_mean"],)),
+        Quote(9, "(vllm:fp32-k50-processed, n = {1,815}): mean log S {−0.05441}, mean log r {−0.05441} (relative "
+                 "difference {0.0002} %), residual {9e-8} nats, support_bias {1.000} (warns)",
+              (k["n_tokens"], k["log_s_mean"], k["dlogp_mean"], k_rel, k["residual_mean"], k_bias["value"]),
+              holds=k_bias["verdict"] == "warn"),
+        Quote(9, "(vllm:bf16-p0.9, n = {1,731}) carries the numerical mismatch alone: mean log r {4.5e-4}, mean "
+                 "\\|log r\\| {0.0271} (plain rule, vllm:bf16: {0.0318})",
+              (rb["n_tokens"], rb["dlogp_mean"], abs_logr(SS_RAW_BF16), abs_logr("vllm:bf16"))),
+        Quote(9, "\\|log r\\| is {0.0747}, against {0.0728} for the fp32 rollout", (abs_logr(SS_PROC_BF16), abs_logr(SS_PROC))),
+        Quote(9, "is {2.7}× its size, and bf16 adds only {0.002} nats", (bias_over_noise,
+              abs_logr(SS_PROC_BF16) - abs_logr(SS_PROC))),
+        Quote(9, "(vllm:bf16-t0.7-k50-p0.9-processed/hf:fp32, n = {1,658}) gives mean log r {−0.198} (fp32 rollout: "
+                 "{−0.203}), residual {−2.6e-4} nats and mean \\|log r\\| {0.226}, as at fp32 ({0.227}): the rule's "
+                 "bias is about {8}× the bf16 mismatch",
+              (cb["n_tokens"], cb["dlogp_mean"], sup(SS_COMBINED)["dlogp_mean"], cb["residual_mean"],
+               abs_logr(SS_COMBINED_BF16), abs_logr(SS_COMBINED), abs_logr(SS_COMBINED) / abs_logr(SS_RAW_BF16))),
+        Quote(9, "top-k alone biases as top-p does (within {0.0002} %); at bf16 the support bias adds to the numerical "
+                 "mismatch, {2.7}× its size", (k_rel, bias_over_noise)),
     ]
 
 
@@ -665,6 +704,11 @@ CONTEXT = [
     Context(9, "With T {0.7}, top-k {50} and top-p {0.9} together", "the sampling rule (study.toml)"),
     Context(9, "at T ≠ {1} log r", "the neutral temperature"),
     Context(9, "confirmed at T = {1}:", "the neutral temperature"),
+    Context(9, "T {0.7} alone (vllm", "the sampling rule (study.toml)"),
+    Context(9, "top-k {50} alone (vllm", "the sampling rule (study.toml)"),
+    Context(9, "At top-p {0.9} with raw μ", "the sampling rule (study.toml)"),
+    Context(9, "Under T {0.7} + top-k {50} + top-p {0.9} the", "the sampling rule (study.toml)"),
+    Context(9, "× its size at top-p {0.9}", "the sampling rule (study.toml)"),
     *[Context(7, text, "figure 7 (fig7_batch_invariance, its caption): not analyze output, so not golden")
       for text in ("only {59} % (batch {8}) and {56} % (batch {32}) of the {32} responses",
                    "to the batch-{1} run", "mean \\|Δ log μ\\| is {0.030} nats (n = {679} / {677} tokens)",
