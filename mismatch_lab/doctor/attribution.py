@@ -240,6 +240,18 @@ def routing(rollout, scorer, scorers, w) -> dict:
     return _removal(w, rollout, scorer, "routing", twin, MU, f"{twin} (the trainer on {rollout}'s expert ids) vs {rollout}")
 
 
+def routing_rows(scored: pd.DataFrame, pairs) -> dict[tuple[str, str], dict]:
+    """(rollout, scorer) -> the routing source's row (`routing`) of each pair of `pairs`: the one R3 share,
+    which the attribution lists under "where it comes from" and doctor's R3 advice (recommend.routing) quotes.
+    A rollout's tokens are laid out (`wide`) only where one of its scorers has an R3 twin."""
+    out = {}
+    for rollout in dict.fromkeys(ro for ro, _ in pairs):
+        scorers = sorted(scored.loc[scored["rollout"] == rollout, "scorer"].unique())
+        w = wide(scored, rollout) if any(f"{s}{R3}" in scorers for s in scorers) else None
+        out |= {(ro, sc): routing(rollout, sc, scorers, w) for ro, sc in pairs if ro == rollout}
+    return out
+
+
 def batch_composition(batch: pd.DataFrame, rollout, scorer, m: float, n: int) -> dict:
     b = batch[batch["rollout"] == rollout] if not batch.empty else batch
     if b.empty:

@@ -109,8 +109,8 @@ DETAILS = {
                           f"{int(r['steps_above'])} above 1.05; n = {int(r['n_finite']):,} finite rows"),
     "routing": lambda r: (f"{int(r['tokens']):,} tokens × {int(r['layers'])} MoE layers (top-{int(r['k'])}); flip rate "
                           f"{r['flip_rate']:.3g} of (token, layer) cells"
-                          + (f"; R3 ({r['r3_scorer']}) removes {r['r3_share']:.0%} of mean |Δp|"
-                             if isinstance(r.get("r3_scorer"), str) and pd.notna(r.get("r3_share")) else "")),
+                          + (f"; what R3 ({r['r3_scorer']}) removes: the routing share under 'where it comes from'"
+                             if isinstance(r.get("r3_scorer"), str) else "")),
 }
 
 

@@ -9,7 +9,7 @@ measurements and returns advice only where the numbers support it, with the numb
     growth          a run whose per-step mean |π − μ| grows significantly
     batch           a rollout whose sequences change with the generation batch size
     nonfinite       non-finite rows, which every mean excludes
-    routing         an MoE pair whose R3 replay removes most of its mean |Δp| (enable R3, named per framework),
+    routing         an MoE pair whose R3 replay removes most of its mean |Δ log p| (enable R3, named per framework),
                     or whose tokens change experts with no R3 scorer to say how much that costs
 
 Each rule: `rule(m: Measurements) -> list[dict]` with keys `rule`, `advice`, `because` (the sentence with
@@ -275,8 +275,9 @@ def nonfinite(m: Measurements) -> list[dict]:
 
 
 R3_DOMINANT = 0.5
-"""Doctor advises R3 where replaying the rollout's expert ids removes more than half of the pair's mean |Δp|
-(analysis/routing.py r3_share): routing is then the largest part of the mismatch (ours)."""
+"""Doctor advises R3 where replaying the rollout's expert ids removes more than half of the pair's mean
+|log π − log μ|: the attribution's routing share (attribution.routing_rows), the number "where it comes from"
+prints; routing is then the largest part of the mismatch (ours)."""
 R3_OPTIONS = {
     "verl": (("actor_rollout_ref.actor.<megatron|veomni>.router_replay.mode=R3 with "
               "actor_rollout_ref.rollout.enable_rollout_routing_replay=True"),
@@ -298,18 +299,28 @@ def _r3_options() -> str:
 
 
 def routing(m: Measurements) -> list[dict]:
+    """R3 where the pair's routing share (attribution.routing_rows, the one definition) is above R3_DOMINANT;
+    "measure R3" where its tokens change experts and no R3 twin of its scorer says how much that costs."""
+    from mismatch_lab.doctor.attribution import R3, routing_rows
+
     r = m.get("routing")
+    rows = [] if r.empty else r.to_dict("records")
+    shares = routing_rows(m.get("scored"), [(row["rollout"], row["scorer"]) for row in rows]) if rows else {}
     out = []
-    for row in ([] if r.empty else r.to_dict("records")):
+    for row in rows:
+        if str(row["scorer"]).endswith(R3):  # already replays: its share is 0 by definition
+            continue
         pair, differ = f"{row['rollout']}/{row['scorer']}", 100 * row["any_layer_differs"]
         because = f"{pair}: {differ:.3g} % of {int(row['tokens']):,} tokens go to another expert set in >= 1 MoE layer"
-        if isinstance(row.get("r3_scorer"), str) and pd.notna(row.get("r3_share")):
-            share = 100 * row["r3_share"]
-            if row["r3_share"] > R3_DOMINANT:
+        source = shares[(row["rollout"], row["scorer"])]
+        if not math.isnan(source["share"]):
+            if source["share"] > R3_DOMINANT:
+                share = 100 * source["share"]
                 out.append(_advice("routing", f"enable R3 (rollout routing replay): {_r3_options()}",
-                                   f"{because}; replaying the rollout's expert ids ({row['r3_scorer']}) removes "
-                                   f"{share:.3g} % of mean |π − μ|", r3_share_pct=share, any_layer_differs_pct=differ))
-        elif row["any_layer_differs"] > 0 and not str(row["scorer"]).endswith("-r3"):
+                                   f"{because}; replaying the rollout's expert ids ({row['scorer']}{R3}) removes "
+                                   f"{share:.3g} % of mean |log π − log μ| (its routing share, 'where it comes "
+                                   "from')", routing_share_pct=share, any_layer_differs_pct=differ))
+        elif row["any_layer_differs"] > 0 and not isinstance(row.get("r3_scorer"), str):
             out.append(_advice("routing", f"measure R3 on {pair}: score its tokens with the trainer replaying the "
                                "rollout's expert ids (docs/moe.md)", f"{because}; no R3 scorer beside "
                                f"{row['scorer']} says how much of the mismatch that is", any_layer_differs_pct=differ))

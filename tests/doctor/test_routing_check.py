@@ -10,9 +10,11 @@ import pytest
 from doctor_stores import Pair
 from routing_stores import routing_store
 
+from mismatch_lab.analysis.routing import routing_table
 from mismatch_lab.cli import main
 from mismatch_lab.doctor.recommend import R3_OPTIONS
 from mismatch_lab.routing.compare import compare
+from mismatch_lab.store.reader import open_store
 
 
 def _doctor(path, tmp_path, capsys) -> dict:
@@ -45,7 +47,7 @@ def test_the_routing_check_is_the_share_of_tokens_with_a_flip_in_some_layer_per_
 def test_where_r3_removes_most_of_the_mismatch_doctor_advises_r3_naming_every_frameworks_option(doc):
     advice = [a for a in doc["recommendations"] if a["rule"] == "routing"]
     assert len(advice) == 1 and advice[0]["advice"].startswith("enable R3")
-    assert advice[0]["numbers"]["r3_share_pct"] > 50
+    assert advice[0]["numbers"]["routing_share_pct"] > 50
     for framework, (option, _) in R3_OPTIONS.items():
         assert f"{framework}: {option}" in advice[0]["advice"]
 
@@ -58,6 +60,23 @@ def test_the_routing_source_is_what_the_r3_scorer_removes_of_mean_abs_dlogp_on_t
     assert rows[("hf:fp32", "routing")]["share"] == pytest.approx(1 - without / m, rel=1e-9)
     assert rows[("hf:fp32-r3", "routing")]["share"] == 0.0
     assert rows[("hf:fp32", "routing")]["rules"] == ["routing"]
+
+
+def test_the_r3_advice_quotes_the_attributions_routing_share_not_a_second_definition(moe, doc):
+    """One number for what R3 removes: the advice's share is the routing share 'where it comes from' lists
+    (mean |Δ log p| on the same rows), not analyze's r3_share of mean |Δp|, which differs on this store."""
+    (advice,) = [a for a in doc["recommendations"] if a["rule"] == "routing"]
+    (source,) = [r for r in doc["attribution"] if (r["rollout"], r["scorer"], r["source"]) ==
+                 ("vllm:bf16", "hf:fp32", "routing")]
+    assert advice["numbers"]["routing_share_pct"] == 100 * source["share"]
+    con = open_store(moe.path)
+    table = routing_table(con)
+    con.close()
+    (r3_share,) = table.loc[(table["view"] == "pair") & (table["scorer"] == "hf:fp32"), "r3_share"]
+    assert r3_share != pytest.approx(source["share"], rel=1e-6)  # the two definitions part on this store
+    assert f"removes {100 * source['share']:.3g} % of mean |log π − log μ|" in advice["because"]
+    (check,) = [c for c in doc["checks"] if c["check"] == "routing" and c["pair"] == "vllm:bf16/hf:fp32"]
+    assert "|Δp|" not in check["detail"] and "'where it comes from'" in check["detail"]
 
 
 def test_without_an_r3_scorer_doctor_advises_measuring_it_and_the_routing_source_is_not_measured(tmp_path, capsys):
