@@ -100,6 +100,13 @@ def test_an_unknown_run_id_exits_2_in_one_line_naming_the_runs_command(capsys, s
     assert f"it holds {A}, {B}" in line and f"`mismatch-lab runs --db {stores['both']}` lists them" in line
 
 
+def test_doctor_refuses_a_run_id_with_the_probe_before_probing(capsys, tmp_path):
+    code, out, err = _cli(capsys, "doctor", "--model", "default", "--db", tmp_path / "probe.duckdb", "--run-id", A)
+    assert code == 2 and out == "" and not (tmp_path / "probe.duckdb").exists()
+    (line,) = err.strip().splitlines()
+    assert "--run-id picks runs of the store --db names" in line and "drop --run-id" in line
+
+
 def _record(root: Path) -> None:
     import numpy as np
 

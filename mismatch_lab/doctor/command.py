@@ -70,6 +70,7 @@ def _split(value: str) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     from mismatch_lab.doctor.report import diagnose, text_report, write_json
+
     json_path = json_output(args.json, "doctor.json")
     run_ids = asked_runs(args)
     if run_ids and (args.model or not args.db):
