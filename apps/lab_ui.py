@@ -613,18 +613,60 @@ def worst_of(scorer: str | None = None, path: str | None = None):
 
 
 def step_series_of(path: str | None = None):
-    """The Training page's mismatch per step (`analysis.steps.step_series`). On a shard store (a recorded run,
-    maybe still being written) per unit of (run, step): a refresh computes only the new or changed steps
-    (`store.cache.step_series_by_unit`); on any other store one pass over the whole store."""
-    path = path or store()
-    if not is_shard_store(path):
+    """The Training page's mismatch per step (`analysis.steps.step_series`), per unit of (run, step): a refresh
+    of a store being written computes only the new or changed steps (`store.units`). A shard store is read
+    without a whole-store connection; a DuckDB store's units are checked on its snapshot (a checksum pass);
+    any other store (a study's Parquet, written once) in one pass over the whole store."""
+    path = path or live_store()
+    if is_shard_store(path):
+        return training("step_series", path=path)
+    if not _is_duckdb(path):
         return _call(path, steps.step_series)
     return _steps_by_unit(path, fingerprint(path))
 
 
 @st.cache_data(ttl=TTL_S, show_spinner="Querying the new steps…", max_entries=64)
 def _steps_by_unit(path: str, fp: str):
-    return cache.step_series_by_unit(path, disk(path))
+    """The per-unit step series of a DuckDB store as of `fp` (`store.units.DuckUnits` on the snapshot)."""
+    from mismatch_lab.store import units
+
+    return _on_store(path, lambda cur: units.by_unit(units.DuckUnits(cur, path), disk(path), "step_series"), fp)
+
+
+def _is_duckdb(path: str) -> bool:
+    files = cache.data_files(path)[1]
+    return bool(files) and files[0].suffix == ".duckdb"
+
+
+def live_store() -> str:
+    """`store()` for the Training page: on a shard store without opening a connection on the whole store (its
+    look-ups open one on the units they compute, `training`), so a refresh does no work per file of the store."""
+    path = st.session_state.get("store_path")
+    if not path or not is_shard_store(path):
+        return store()
+    if os.environ.get("MISMATCH_LAB_APP_WARMUP", "1") != "0":
+        _warm_up(path)
+    return path
+
+
+def training(name: str, *args, path: str | None = None, **kwargs):
+    """The Training page's look-up `name` (`store.units.TRAINING`): on a shard store per unit, else the
+    whole-store function through `query`'s caches."""
+    from mismatch_lab.store import units
+
+    path = path or live_store()
+    module, _ = units.TRAINING[name]
+    if not is_shard_store(path):
+        return _call_named(path, module, name, *args, **kwargs)
+    return _training_by_unit(path, fingerprint(path), name, args, tuple(sorted(kwargs.items())))
+
+
+@st.cache_data(ttl=TTL_S, show_spinner="Querying the new steps…", max_entries=256)
+def _training_by_unit(path: str, fp: str, name: str, args: tuple, kwargs: tuple):
+    from mismatch_lab.store import units
+
+    with _PAGE_QUERIES.running():
+        return units.TRAINING[name][1](units.ShardUnits(path, fp), disk(path), *args, **dict(kwargs))
 
 
 def _warm(path: str) -> None:

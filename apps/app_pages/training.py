@@ -4,7 +4,7 @@ step picker that opens a step's sequences."""
 import lab_ui
 import streamlit as st
 
-from mismatch_lab.analysis import browse, definitions, violations
+from mismatch_lab.analysis import definitions
 
 STEP_METRICS = {  # steps.step_series column -> what the chart shows
     "abs_dp_mean": "mean |π − μ| (probability)",
@@ -14,8 +14,8 @@ STEP_METRICS = {  # steps.step_series column -> what the chart shows
 }
 
 st.title("Training")
-lab_ui.store()
-train = lab_ui.query(browse.train_runs)
+lab_ui.live_store()  # a shard store (a run being recorded) is read per unit (run, step): lab_ui.training
+train = lab_ui.training("train_runs")
 if train.empty:
     st.info(
         "This study has no training runs (no train run, and no run whose sequences carry a step). Start one "
@@ -30,7 +30,7 @@ labels = {r.run_id: f"{r.objective} ({r.run_id})" if d else r.objective for r, d
 # ---- curves -----------------------------------------------------------------------------------------------
 st.subheader("Curves per objective")
 chosen_runs = st.multiselect("Runs", list(labels), default=list(labels), format_func=labels.get, key="train_runs")
-series = lab_ui.query(violations.train_series)
+series = lab_ui.training("train_series")
 series = series[series["run_id"].isin(chosen_runs)]
 if series.empty:
     st.info("The chosen training runs have logged no metrics yet.")
@@ -76,7 +76,7 @@ else:
 st.subheader("Sequences of a step")
 lab_ui.keep_valid("train_step_run", list(labels))
 run_id = st.selectbox("Run", list(labels), format_func=labels.get, key="train_step_run")
-steps = lab_ui.query(browse.training_steps, run_id)
+steps = lab_ui.training("training_steps", run_id)
 if steps.empty:
     st.info("This run has stored no sequences yet.")
     st.stop()
@@ -95,7 +95,7 @@ if row.n_rewarded:
 else:
     c[2].metric("Mean reward", "—", help="no rewards stored for this step")
     st.caption("No rewards were stored for this step.")
-st.dataframe(lab_ui.query(browse.list_sequences, run_id, step=int(step)), hide_index=True)
+st.dataframe(lab_ui.training("list_sequences", run_id, step=int(step)), hide_index=True)
 
 if st.button(f"Open step {step} in the token inspector", type="primary"):
     st.session_state.update(insp_mode="By run and sequence", insp_run=run_id, insp_step=int(step))

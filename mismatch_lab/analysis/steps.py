@@ -70,6 +70,22 @@ def step_series(
     return out.sort_values(["run_id", "rollout", "scorer", "step"]).reset_index(drop=True)[STEP_COLUMNS]
 
 
+def step_counts(con: duckdb.DuckDBPyConnection) -> pd.DataFrame:
+    """`browse.training_steps` of every run with sequences on `con`, with its run_id first: per (run_id, step)
+    the sequence and token counts and reward means (the Training page's step list, kept per unit by
+    `store.units`)."""
+    from mismatch_lab.analysis.browse import training_steps
+
+    runs = [r for (r,) in con.execute("SELECT DISTINCT run_id FROM sequences ORDER BY run_id").fetchall()]
+    parts = [training_steps(con, run).assign(run_id=run) for run in runs]
+    if not parts:
+        return training_steps(con, "").assign(run_id=pd.Series(dtype=object))[["run_id", *STEP_COUNT_COLUMNS]]
+    return pd.concat(parts, ignore_index=True)[["run_id", *STEP_COUNT_COLUMNS]]
+
+
+STEP_COUNT_COLUMNS = ["step", "n_sequences", "n_tokens", "n_rewarded", "mean_reward", "mean_advantage"]
+
+
 def quarter(n_steps: int) -> int:
     """How many steps first_mean / last_mean of `growth` average: a quarter of them, at least one."""
     return max(1, int(n_steps) // 4)

@@ -2,18 +2,18 @@
 by the next server, session or refresh for exactly the same data.
 
 Keys. Every entry is filed under the query (module, function, arguments) and a *fingerprint* of the data it
-was computed from: the path, size, modification time and inode of every file the store reads (`data_files`),
-and the content of this package's source files (`code_fingerprint`: a changed analysis recomputes). A store that changes
-has another fingerprint, so nothing cached is ever shown for data that changed; an entry is replaced when its
-query is computed again for new data (one file per query, the previous fingerprint's removed).
-The fingerprint must be taken *before* the connection that computes the entry is opened: data written after
-it then lands under a fingerprint that never recurs (harmless), never the other way round.
+was computed from: the path, size, modification time, change time and inode of every file the store reads
+(`data_files`; the change time moves on any rewrite, even one that keeps the size and sets the mtime back),
+and the content of this package's source files (`code_fingerprint`: a changed analysis recomputes). A shard
+store's files are listed from its folders' stats (`units.Scan`: only the folders a writer changed are listed
+again). A store that changes has another fingerprint, so nothing cached is ever shown for data that changed;
+an entry is replaced when its query is computed again for new data (one file per query, the previous
+fingerprint's removed). The fingerprint must be taken *before* the connection that computes the entry is
+opened: data written after it then lands under a fingerprint that never recurs (harmless), never the other
+way round.
 
-Finished units. A shard store (recorded or imported runs, `store.shards`) is written one unit per (run, step)
-at a time and never rewrites a committed file in place, so the per-step results of the app's Training page are
-kept per unit (`unit_fingerprints`: the unit's files, plus what the run rows label them by -- not the run's status,
-which changes when a writer closes): a refresh computes
-only the steps that are new or whose files changed, on a connection over those files alone (`open_units`).
+Per-step units. The Training page's results of a store still being written are kept per (run, step) under
+each unit's own fingerprint (`store.units`), so that a refresh computes only the new or changed steps.
 
 Where. Inside a shard store (`<store>/.mismatch-lab-cache/`, a folder no reader globs) and beside a DuckDB
 file (`.<name>.duckdb.mismatch-lab-cache/` in its folder): both are stores we wrote. Any other store (a Parquet
@@ -21,6 +21,10 @@ folder, a study's `results/`) and any store whose folder cannot be written (read
 user's cache folder (`$XDG_CACHE_HOME` or `~/.cache`, `mismatch-lab/app/<hash of the store's path>/`); if that
 cannot be written either, nothing is cached on disk. `MISMATCH_LAB_CACHE=0` turns the disk cache off,
 `MISMATCH_LAB_CACHE=DIR` puts every store's cache under DIR.
+
+Writes. An entry is written to a temporary file (`.<entry>.<pid>.<thread>`) and renamed into place: a reader
+never sees half an entry. A write killed before its rename leaves the temporary, which the next `ResultsCache`
+of the store removes once it is older than STALE_TMP_S.
 
 Trust. Entries are pickles, and a store can come from someone else: each entry is signed with HMAC-SHA256
 under a key private to the user (`mismatch-lab/app-cache.key` in the user's cache folder, mode 0600), and an
@@ -35,6 +39,7 @@ import os
 import pickle
 import secrets
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -46,6 +51,7 @@ KEY_FILE = "app-cache.key"
 PACKAGE = Path(__file__).resolve().parents[1]
 _MAC = hashlib.sha256().digest_size
 MISSING = object()
+STALE_TMP_S = 3600.0  # a temporary entry file older than this is a killed write's: removed at open
 
 
 def _digest(parts) -> str:
@@ -59,7 +65,7 @@ def _stat_rows(root: Path, files) -> list[tuple]:
             s = f.stat()
         except FileNotFoundError:  # removed between the listing and the stat (a writer replacing a unit)
             continue
-        rows.append((str(f.relative_to(root)), s.st_size, s.st_mtime_ns, s.st_ino))
+        rows.append((str(f.relative_to(root)), s.st_size, s.st_mtime_ns, s.st_ctime_ns, s.st_ino))
     return sorted(rows)
 
 
@@ -106,69 +112,14 @@ def code_fingerprint() -> str:
 
 
 def fingerprint(path: str | Path) -> str:
-    """A digest of the data the store at `path` is read from (module doc); another one whenever it changes."""
+    """A digest of the data the store at `path` is read from (module doc); another one whenever it changes. A
+    shard store's from its folders' stats, listing only the folders a writer changed (`units.Scan`)."""
+    if is_shard_store(path):
+        from mismatch_lab.store import units
+
+        return units.scan(path).snapshot().store
     root, files = data_files(path)
     return _digest((code_fingerprint(), _stat_rows(root, files)))
-
-
-def unit_fingerprints(root: str | Path) -> dict[tuple[str, int], str]:
-    """(run_id, step) -> a digest of that unit's shard files in every step table and of the run's rows, for a
-    shard store (empty for any other store). A unit counts once its sequences shard exists (its commit)."""
-    root = Path(root)
-    if not is_shard_store(root):
-        return {}
-    units: dict[tuple[str, int], list[Path]] = {}
-    for table in STEP_TABLES:
-        for f in _visible(root.glob(f"{table}/*/step-*/*.parquet")):
-            units.setdefault((f.parent.parent.name, int(f.parent.name.removeprefix("step-"))), []).append(f)
-    out, runs = {}, {}
-    for (run_id, step), files in units.items():
-        if any(f.parts[-4] == "sequences" for f in files):
-            if run_id not in runs:
-                runs[run_id] = _run_description(root, run_id)
-            out[(run_id, step)] = _digest((code_fingerprint(), runs[run_id], _stat_rows(root, files)))
-    return out
-
-
-RUN_STATE = ("status", "created_at", "updated_at")
-"""Columns of a run row that change as the run goes on (a rank closes, a job resumes) without changing what
-its steps are labelled by: left out of the units' fingerprints."""
-
-
-def _run_description(root: Path, run_id: str) -> str:
-    """A digest of the run's rows without RUN_STATE (engine, dtype, kind, config: what its rows are labelled by)."""
-    import pyarrow.parquet as pq
-
-    rows = []
-    for f in sorted(_visible((root / "runs" / run_id).glob("*.parquet"))):
-        table = pq.read_table(f)
-        rows += table.drop_columns([c for c in RUN_STATE if c in table.column_names]).to_pylist()
-    return _digest(rows)
-
-
-def unit_files(root: str | Path, units) -> dict[str, list[str]]:
-    """table -> the committed files of the units (run_id, step) of a shard store, and every run row: what
-    `open_units` reads (as `shards.committed_files`: a damaged unit is left out, as a whole-store read leaves it
-    out, and the pages say so from the store's own notice)."""
-    from mismatch_lab.store.shards import committed_files
-
-    root, wanted = Path(root), {(r, int(s)) for r, s in units}
-    out: dict[str, list[str]] = {}
-    for table, files in committed_files(root, damaged=[]).items():
-        keep = files if table == "runs" else [f for f in files
-                                              if (Path(f).parent.parent.name, int(Path(f).parent.name[5:])) in wanted]
-        if keep:
-            out[table] = keep
-    return out
-
-
-def open_units(root: str | Path, units):
-    """A read-only connection on the units (run_id, step) of a shard store only (and its run rows)."""
-    from mismatch_lab.store import reader
-
-    con = reader._open_parquet_dir(Path(root), unit_files(root, units))
-    con.execute("SET enable_progress_bar = false")
-    return con
 
 
 def _user_cache() -> Path:
@@ -223,6 +174,20 @@ def _key() -> bytes | None:
     return key if len(key) == 32 else None
 
 
+def _remove_stale_tmp(folder: Path) -> int:
+    """Remove the temporary entry files (`ResultsCache.put`) older than STALE_TMP_S under `folder`: left by a
+    write killed before its rename (a younger one may be a live write). Returns how many."""
+    n, cutoff = 0, time.time() - STALE_TMP_S
+    for tmp in folder.glob("*/.*.pkl.*"):
+        try:
+            if tmp.stat().st_mtime < cutoff:
+                tmp.unlink()
+                n += 1
+        except FileNotFoundError:  # its write finished (renamed) or another process removed it
+            pass
+    return n
+
+
 class ResultsCache:
     """The disk cache of one store: `get_or_compute(query, fingerprint, compute)`. Without a disk cache (off, or
     nowhere writable) the same entries are kept in this object's memory for the life of the process."""
@@ -232,6 +197,8 @@ class ResultsCache:
         self.key = _key() if self.folder is not None else None
         self.enabled = self.key is not None
         self._memory: dict[str, tuple[str, object]] = {}  # query digest -> (fingerprint, value), disk cache off
+        if self.enabled:
+            _remove_stale_tmp(self.folder)
 
     def _file(self, query, fp: str) -> Path:
         return self.folder / _digest(query)[:32] / f"{fp[:32]}.pkl"
@@ -281,32 +248,3 @@ class ResultsCache:
             value = compute()
             self.put(query, fp, value)
         return value
-
-
-def step_series_by_unit(root: str | Path, results: ResultsCache):
-    """`analysis.steps.step_series` of a shard store, per unit (run, step): the rows of the units cached under
-    their current fingerprints are reused, the others (new steps, changed files) computed together on a
-    connection over their files alone (`open_units`) and cached one unit each. Equal to `step_series` on the
-    whole store (a step's row is computed from that step's tokens alone)."""
-    import pandas as pd
-
-    from mismatch_lab.analysis import steps
-
-    units = unit_fingerprints(root)
-    parts = {unit: results.get(("steps.step_series", unit), fp) for unit, fp in units.items()}
-    todo = sorted(unit for unit, part in parts.items() if part is MISSING)
-    if todo:
-        con = open_units(root, todo)
-        try:
-            fresh = steps.step_series(con)
-        finally:
-            con.close()
-        by_unit = {unit: g.reset_index(drop=True) for unit, g in fresh.groupby(["run_id", "step"], sort=False)}
-        for unit in todo:
-            parts[unit] = by_unit.get(unit, fresh.iloc[:0])
-            results.put(("steps.step_series", unit), units[unit], parts[unit])
-    found = [p for p in parts.values() if not p.empty]
-    if not found:
-        return steps.empty(steps.STEP_COLUMNS)
-    out = pd.concat(found, ignore_index=True)
-    return out.sort_values(["run_id", "rollout", "scorer", "step"]).reset_index(drop=True)[steps.STEP_COLUMNS]

@@ -23,6 +23,7 @@ columns of `schema.REQUIRED_COLUMNS` with types that fit the contract's (`schema
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import re
 import shutil
@@ -278,8 +279,10 @@ def _hive_folder(folder: Path, types: dict[str, str]) -> str:
     return f"(SELECT {star}{added} FROM {reader})"
 
 
+@functools.cache
 def _contract_columns() -> dict[str, list[tuple[str, str]]]:
-    """table -> [(column, type)] of the DDL, read from a scratch in-memory database."""
+    """table -> [(column, type)] of the DDL, read from a scratch in-memory database (once per process: 30 ms a
+    time, and the app opens a connection per refresh of a store being written; callers only read it)."""
     scratch = duckdb.connect()
     try:
         for stmt in DDL:

@@ -2,7 +2,7 @@
 
 A real Recorder writes steps into a shard store between two runs of the Training page (AppTest): the refresh
 shows the new steps, and the per-step analysis runs on the new steps only (counted by wrapping the analysis
-function, not timed). A rewritten step shows its new numbers. Cached results are reused by a fresh process's
+function, not timed); the same on a DuckDB store written by the `train` writer. A rewritten step shows its new numbers. Cached results are reused by a fresh process's
 caches, never shown for changed data, never read unless signed with the user's key; a read-only store still
 opens (its cache goes elsewhere) and a store that is not ours gets nothing written into it.
 """
@@ -23,7 +23,7 @@ from app_paths import open_page
 
 from mismatch_lab.analysis import precision, steps
 from mismatch_lab.record import Recorder
-from mismatch_lab.store import cache
+from mismatch_lab.store import cache, units
 from mismatch_lab.store.reader import open_store
 
 B, T = 4, 12
@@ -43,17 +43,18 @@ def _recorder(path: Path) -> Recorder:
 
 @pytest.fixture
 def counted(monkeypatch):
-    """Wrap `cache.open_units`, through which the Training page computes the mismatch of steps it has not
-    cached: the steps of each such computation, one set per call."""
+    """Wrap `units._compute`, through which the Training page computes its per-step results (the mismatch per
+    step among them) of the steps it has not cached: the steps of each such computation, one set per call."""
     calls: list[set[int]] = []
-    real = cache.open_units
+    real = units._compute
 
     @functools.wraps(real)
-    def open_units(root, units):
-        calls.append({step for _, step in units})
-        return real(root, units)
+    def compute(source, results, fps, todo, name):
+        assert "step_series" in source.queries
+        calls.append({step for _, step in todo})
+        return real(source, results, fps, todo, name)
 
-    monkeypatch.setattr(cache, "open_units", open_units)
+    monkeypatch.setattr(units, "_compute", compute)
     return calls
 
 
@@ -243,3 +244,184 @@ def test_a_duckdb_store_open_in_the_app_can_still_be_opened_for_writing(tmp_path
     writer = StoreWriter(db)  # what collect, train and `runs --drop` do: refused while a reader held the file
     writer.close()
     assert not at.exception
+
+
+def _train_step(writer, run_id: str, step: int, seed: int) -> None:
+    """One training step as `mismatch-lab train` writes it (rl.step.write_step): the Recorder's row builder and
+    one `write_chunk` with chunk = step."""
+    from mismatch_lab.record.tables import StepArrays, step_tables
+
+    rng = np.random.default_rng(seed)
+    lmu = -rng.exponential(1.0, (B, T))
+    arrays = StepArrays(rng.integers(0, 100, (B, T)), np.ones((B, T), bool), lmu,
+                        np.minimum(lmu + rng.normal(0, 0.2, (B, T)), 0.0), rewards=rng.normal(size=B))
+    tables = step_tables(run_id, step, np.arange(B, dtype=np.int64) + step * B, arrays, "hf:fp32")
+    writer.write_chunk(run_id, step, sequences=tables["sequences"], tokens=tables["tokens"], scores=tables["scores"],
+                       seconds=0.0, metrics=[(step, "reward/mean", float(rng.normal()))])
+
+
+@pytest.fixture
+def step_passes(monkeypatch):
+    """Wrap `steps.step_series`: the steps on the connection of each call (what it computed), one set a call."""
+    calls: list[set[int]] = []
+    real = steps.step_series
+
+    @functools.wraps(real)
+    def step_series(con, **kwargs):
+        calls.append({s for (s,) in con.execute("SELECT DISTINCT step FROM sequences").fetchall()})
+        return real(con, **kwargs)
+
+    monkeypatch.setattr(steps, "step_series", step_series)
+    return calls
+
+
+def test_a_duckdb_store_being_trained_reuses_the_steps_it_computed_and_recomputes_a_redone_one(
+        tmp_path, monkeypatch, lab_ui, step_passes):
+    from mismatch_lab.rl.loop import _delete_steps_after
+    from mismatch_lab.store.schema import create_schema
+    from mismatch_lab.store.writer import StoreWriter
+
+    db = tmp_path / "train.duckdb"
+    writer = StoreWriter(db)
+    create_schema(writer.con)
+    writer.start_run("train-live", study="t", kind="train", model="m", weights_sha256="0", engine="vllm",
+                     engine_dtype="bf16", device="cpu", versions={}, config={"loss": "grpo"})
+    try:
+        for step in range(3):
+            _train_step(writer, "train-live", step, step)
+        at = open_page(db, monkeypatch, "training")
+        assert _per_step(at)["step"].tolist() == [0, 1, 2]
+        monkeypatch.setattr(lab_ui, "DUCKDB_FINGERPRINT_S", 0.0)
+        for step in (3, 4):  # train goes on while the page is open
+            _train_step(writer, "train-live", step, step)
+        step_passes.clear()
+        shown = _per_step(_refresh(at, lab_ui, monkeypatch))
+        assert shown["step"].tolist() == [0, 1, 2, 3, 4]
+        assert step_passes == [{3, 4}]  # steps 0-2 were not computed again
+        before = shown.set_index("step")
+        _delete_steps_after(writer.con, "train-live", 3)  # a resumed run redoes step 4: same counts, new values
+        _train_step(writer, "train-live", 4, 99)
+        step_passes.clear()
+        after = _per_step(_refresh(at, lab_ui, monkeypatch)).set_index("step")
+        assert step_passes == [{4}]
+        assert after.loc[4, "abs_dp_mean"] != before.loc[4, "abs_dp_mean"]
+        pd.testing.assert_frame_equal(after.loc[[0, 1, 2, 3]], before.loc[[0, 1, 2, 3]])
+    finally:
+        writer.close()
+    whole = steps.step_series(open_store(db)).set_index("step")
+    pd.testing.assert_frame_equal(after, whole, rtol=RTOL)
+
+
+def _log_metrics(rec: Recorder, step: int, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    lmu = -rng.exponential(1.0, (B, T))
+    rec.log_step(step, rng.integers(0, 100, (B, T)), np.ones((B, T), bool), lmu,
+                 np.minimum(lmu + rng.normal(0, 0.2, (B, T)), 0.0), rewards=rng.normal(size=B),
+                 metrics={"reward/mean": float(rng.normal()), "mismatch/abs_dp/mean": float(rng.uniform())})
+
+
+def _whole_and_by_unit(path: Path, results: cache.ResultsCache) -> list[tuple[pd.DataFrame, pd.DataFrame]]:
+    """(whole-store result, per-unit result) of every Training look-up of `units.TRAINING` on the store."""
+    import importlib
+
+    con = open_store(path)
+    out = []
+    for name, (module, per_unit) in units.TRAINING.items():
+        fn = getattr(importlib.import_module(module), name)
+        args = ({"run_id": "live", "step": 1} if name == "list_sequences" else
+                {"run_id": "live"} if name == "training_steps" else {})
+        out.append((fn(con, **args), per_unit(units.ShardUnits(path), results, **args)))
+    con.close()
+    return out
+
+
+def test_every_training_look_up_per_unit_equals_the_whole_store_query_as_a_run_goes_on_and_closes(tmp_path):
+    path = tmp_path / "live"
+    results = cache.ResultsCache(path)
+    rec = Recorder(path, "live", framework="verl", rollout_engine="vllm", rollout_dtype="bf16")
+    with Recorder(path, "other", framework="verl", rollout_engine="sglang", rollout_dtype="fp16") as other:
+        _log_metrics(other, 0, 10)
+    for step in range(2):
+        _log_metrics(rec, step, step)
+    states = [_whole_and_by_unit(path, results)]
+    _log_metrics(rec, 2, 2)  # a new step
+    states.append(_whole_and_by_unit(path, results))
+    rec.close()  # the run's status moves, no unit changes
+    states.append(_whole_and_by_unit(path, results))
+    for state in states:
+        for whole, per_unit in state:
+            pd.testing.assert_frame_equal(per_unit, whole, rtol=RTOL)
+    runs = states[-1][0][0].set_index("run_id")
+    assert runs.loc["live", "status"] == "complete" and runs.loc["live", "steps"] == 3
+    assert states[0][0][0].set_index("run_id").loc["live", "status"] == "running"
+
+
+def test_a_scan_lists_again_only_the_folders_a_writer_changed(tmp_path, monkeypatch):
+    path = tmp_path / "live"
+    with _recorder(path) as rec:
+        for step in range(3):
+            _log(rec, step, step)
+        monkeypatch.setattr(units, "RACY_NS", 0)  # trust every folder's mtime at once (no coarse clock here)
+        scan = units.Scan(path)
+        first = scan.snapshot()
+        listed: list[str] = []
+        real = units._listing
+        monkeypatch.setattr(units, "_listing", lambda folder: listed.append(folder) or real(folder))
+        assert scan.snapshot() == first and not listed  # nothing changed: no folder listed
+        _log(rec, 3, 3)
+        now = scan.snapshot()
+    relative = {str(Path(f).relative_to(path)) for f in listed}
+    assert all("step-00000003" in f or f.count("/") <= 1 for f in relative), relative  # the new step, its parents
+    assert {"sequences/live/step-00000003", "tokens/live/step-00000003"} <= relative
+    assert set(now.fingerprints) == set(first.fingerprints) | {("live", 3)}
+    assert all(now.fingerprints[u] == fp for u, fp in first.fingerprints.items())
+
+
+@pytest.mark.parametrize("racy_ns, seen", [(units.RACY_NS, True), (0, False)])
+def test_a_folder_changed_within_its_clock_tick_is_listed_again(tmp_path, monkeypatch, racy_ns, seen):
+    path = tmp_path / "live"
+    with _recorder(path) as rec:
+        _log(rec, 0, 0)
+    folder = path / "sequences" / "live" / "step-00000000"
+    real = units._folder_key
+    tick = real(str(folder))
+    # a file system whose clock ticks coarsely: a change within the tick leaves the folder's times as they were
+    monkeypatch.setattr(units, "_folder_key", lambda f: tick if f == str(folder) else real(f))
+    monkeypatch.setattr(units, "RACY_NS", racy_ns)
+    scan = units.Scan(path)
+    before = scan.snapshot()
+    extra = folder / "rank-00009-part-0000.parquet"
+    extra.write_bytes(next(folder.glob("*.parquet")).read_bytes())  # a second writer's shard, in the same tick
+    changed = scan.snapshot().fingerprints[("live", 0)] != before.fingerprints[("live", 0)]
+    assert changed is seen  # listed again because it changed less than RACY_NS before its listing (0: missed)
+
+
+def test_a_rewrite_that_keeps_size_and_mtime_changes_the_fingerprint(tmp_path):
+    store = tmp_path / "results"
+    store.mkdir()
+    f = store / "tokens.parquet"
+    f.write_bytes(b"a" * 100)
+    before = cache.fingerprint(store)
+    s = f.stat()
+    f.write_bytes(b"b" * 100)  # in place, same size, mtime set back: only the change time tells
+    os.utime(f, ns=(s.st_atime_ns, s.st_mtime_ns))
+    assert cache.fingerprint(store) != before
+
+
+def test_a_killed_cache_write_leaves_a_temporary_that_the_next_open_removes_once_stale(tmp_path):
+    import time
+
+    path = tmp_path / "live"
+    with _recorder(path) as rec:
+        _log(rec, 0, 0)
+    results = cache.ResultsCache(path)
+    fp = cache.fingerprint(path)
+    results.put(("q",), fp, "value")
+    entry = results._file(("q",), fp)
+    stale, live = (entry.with_name(f".{entry.name}.{pid}.1") for pid in (111, 222))
+    for tmp, age in ((stale, cache.STALE_TMP_S + 60), (live, 1)):  # as a write killed before its rename leaves
+        tmp.write_bytes(b"half an entry")
+        os.utime(tmp, (time.time() - age, time.time() - age))
+    again = cache.ResultsCache(path)
+    assert not stale.exists() and live.exists()  # a young one may be a write in progress
+    assert again.get(("q",), fp) == "value"

@@ -1,0 +1,412 @@
+"""Per-step results of a store still being written: the app's Training page computed per unit (run_id, step)
+and reused for every unit that did not change, so that a refresh costs in proportion to the new steps.
+
+Shard stores (`store.shards`: a Recorder's or an importer's runs). A unit is one step folder of a run in every
+step table; its fingerprint (`Scan.snapshot`) is the stats (size, mtime, ctime, inode) of its files and a
+digest of its run's rows without RUN_STATE (the status moves when a writer closes; what the rows label the
+steps by does not). The files are known from the folders' own stats, kept for the process (`Scan`): a folder
+is listed again, and its files stat'ed, only when its stat changed or when it changed less than RACY_NS
+before its last listing (a file system's clock is coarse: a second change within the same tick would keep
+the folder's mtime). A refresh therefore stats the store's folders (one per table, run and step) and lists
+only the folders a writer touched. Missed by design: a committed file rewritten in place, without a rename
+and without a change of the folder (no writer of ours does that: they write a temporary and rename it).
+
+DuckDB stores (`collect` / `train` write one file; the app reads a snapshot copy). A unit is a (run_id, step)
+of the sequences with a step; its fingerprint (`duck_fingerprints`) is, per unit, the count and the sum of
+a 64-bit hash of its rows in each table, over CHECKSUM's columns (what the per-step analysis reads: the
+sequences' whole rows, the tokens' μ, the scores' π), and its run's row without its status. DuckDB writers
+change a step only by inserting or deleting rows (a resumed `train` deletes and redoes its last steps, with
+the same counts and other values; `score` adds a scorer's rows; `collect` sets rewards): each changes a
+count or a hash sum, so a cached unit is reused exactly when its rows are the same (up to a collision of the
+64-bit sums). One pass of hashing over the store (0.19 CPU s on 1 M tokens and 1.5 M scores, 2-core EPYC)
+against ~1 CPU s for the per-step analysis of every step.
+
+`by_unit(source, results, name)`: QUERIES[name] on the units whose fingerprint has no cached part (computed
+together, on a connection over those units alone), split by (run_id, step) and cached one unit each
+(`cache.ResultsCache`); the whole table is kept in memory per store and query with the fingerprints it was
+built from, so a refresh with k new units reads and concatenates k parts, not all of them. Equal to the query
+on the whole store: each row of these queries is computed from the rows of one (run, step) alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+
+from mismatch_lab.store import cache
+from mismatch_lab.store.shards import MARKER, STEP_TABLES, parquet_damage
+
+RACY_NS = 2_000_000_000
+"""A folder changed less than this before it was listed is listed again at the next scan (see module doc)."""
+RUN_STATE = ("status", "created_at", "updated_at")
+"""Columns of a shard store's run rows that change as the run goes on (a rank closes, a job resumes) without
+changing what its steps are labelled by: left out of the units' fingerprints."""
+CHECKSUM = {  # table -> the columns hashed per unit of a DuckDB store (module doc); None: the whole row
+    "sequences": None,
+    "tokens": ("seq_id", "pos", "logp_rollout"),
+    "scores": ("seq_id", "pos", "scorer", "logp", "nonfinite"),
+}
+
+Unit = tuple[str, int]
+
+
+# --- shard stores: the files per unit, from the folders' stats ------------------------------------------------
+
+
+def _listing(folder: str) -> tuple[tuple[str, ...], tuple[tuple, ...]]:
+    """(sub-folders, Parquet files with their stats) of a folder, without hidden names (temporaries, our cache)."""
+    dirs, files = [], []
+    with os.scandir(folder) as entries:
+        for e in entries:
+            if e.name.startswith("."):
+                continue
+            if e.is_dir():
+                dirs.append(e.name)
+            elif e.name.endswith(".parquet"):
+                try:
+                    s = e.stat()
+                except FileNotFoundError:  # replaced between the listing and the stat
+                    continue
+                files.append((e.name, s.st_size, s.st_mtime_ns, s.st_ctime_ns, s.st_ino))
+    return tuple(sorted(dirs)), tuple(sorted(files))
+
+
+def _folder_key(folder: str) -> tuple[int, int, int]:
+    """(mtime, ctime, inode) of a folder: adding, renaming or removing a file in it moves both times."""
+    s = os.stat(folder)
+    return s.st_mtime_ns, s.st_ctime_ns, s.st_ino
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A shard store's files as of one scan: run -> its run-row files, unit -> table -> files (name and stats)."""
+
+    runs: dict[str, tuple]
+    units: dict[Unit, dict[str, tuple]]
+    fingerprints: dict[Unit, str]  # committed units only (a sequences shard: the commit point)
+    store: str  # every file of the store (cache.fingerprint)
+
+
+class Scan:
+    """The files of one shard store, kept for the process and brought up to date from the folders' stats."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self._seen: dict[str, tuple[tuple, int, tuple]] = {}  # folder -> (stat key, listed at, listing)
+        self._described: dict[tuple, str] = {}  # a run's row files -> their description
+        self._digests: dict[Unit, tuple[tuple, str]] = {}  # unit -> (its files, their digest)
+        self._lock = threading.Lock()
+        self.latest: Snapshot | None = None
+
+    def _folder(self, folder: str) -> tuple[tuple[str, ...], tuple[tuple, ...]]:
+        try:
+            key = _folder_key(folder)
+        except (FileNotFoundError, NotADirectoryError):
+            self._seen.pop(folder, None)
+            return (), ()
+        old = self._seen.get(folder)
+        if old is not None and old[0] == key and old[1] - key[0] > RACY_NS:
+            return old[2]
+        listed_at = time.time_ns()
+        try:
+            listing = _listing(folder)
+        except (FileNotFoundError, NotADirectoryError):
+            listing = ((), ())
+        self._seen[folder] = (key, listed_at, listing)
+        return listing
+
+    def snapshot(self) -> Snapshot:
+        with self._lock:
+            root = str(self.root)
+            runs = {run: self._folder(f"{root}/runs/{run}")[1] for run in self._folder(f"{root}/runs")[0]}
+            units: dict[Unit, dict[str, tuple]] = {}
+            for table in STEP_TABLES:
+                for run in self._folder(f"{root}/{table}")[0]:
+                    for step in self._folder(f"{root}/{table}/{run}")[0]:
+                        files = self._folder(f"{root}/{table}/{run}/{step}")[1] if step.startswith("step-") else ()
+                        if files:
+                            units.setdefault((run, int(step[5:])), {})[table] = files
+            digests = {unit: self._digest(unit, files) for unit, files in units.items()}
+            described = {run: self._description(run, files) for run, files in runs.items()}
+            fps = {unit: cache._digest((cache.code_fingerprint(), described.get(unit[0]), digests[unit]))
+                   for unit, files in units.items() if "sequences" in files}
+            marker = os.stat(f"{root}/{MARKER}")
+            store = cache._digest((cache.code_fingerprint(), marker.st_mtime_ns, marker.st_ino, sorted(runs.items()),
+                                   sorted(digests.items())))
+            self.latest = Snapshot(runs, units, fps, store)
+            return self.latest
+
+    def _digest(self, unit: Unit, files: dict[str, tuple]) -> str:
+        old = self._digests.get(unit)
+        if old is None or old[0] != files:
+            old = self._digests[unit] = (files, cache._digest(sorted(files.items())))
+        return old[1]
+
+    def _description(self, run: str, files: tuple) -> str:
+        """A digest of the run's rows without RUN_STATE (engine, dtype, kind, config: what they label it by)."""
+        import pyarrow.parquet as pq
+
+        if files not in self._described:
+            rows = []
+            for name, *_ in files:
+                with contextlib.suppress(FileNotFoundError):  # replaced since the listing: the next scan has it
+                    table = pq.read_table(self.root / "runs" / run / name)
+                    rows += table.drop_columns([c for c in RUN_STATE if c in table.column_names]).to_pylist()
+            self._described[files] = cache._digest(rows)
+        return self._described[files]
+
+    def files(self, snap: Snapshot, units) -> dict[str, list[str]]:
+        """table -> the committed files of `units` and every run-row file: what `open_units` reads. As
+        `shards.committed_files`: a shard counts once its unit's sequences shard of the same name exists, and
+        a damaged shard's unit (every table's shard of that name) is left out, as a whole-store read leaves it
+        out."""
+        out: dict[str, list[str]] = {"runs": [str(self.root / "runs" / run / f[0]) for run in sorted(snap.runs)
+                                              for f in snap.runs[run]]}
+        for run, step in sorted(units):
+            tables = snap.units.get((run, step), {})
+            names = {f[0] for f in tables.get("sequences", ())}
+            paths = {t: [self.root / t / run / f"step-{step:08d}" / f[0] for f in files if f[0] in names]
+                     for t, files in tables.items()}
+            names -= {p.name for ps in paths.values() for p in ps if parquet_damage(p) is not None}
+            for table, ps in paths.items():
+                out.setdefault(table, []).extend(str(p) for p in ps if p.name in names)
+        return {t: sorted(fs) for t, fs in out.items() if fs}
+
+
+_SCANS: dict[str, Scan] = {}
+_SCANS_LOCK = threading.Lock()
+
+
+def scan(root: str | Path) -> Scan:
+    """The process's `Scan` of the shard store at `root`."""
+    root = Path(root).expanduser().resolve()
+    with _SCANS_LOCK:
+        return _SCANS.setdefault(str(root), Scan(root))
+
+
+def open_units(root: str | Path, units, snap: Snapshot | None = None):
+    """A read-only connection on the units (run_id, step) of a shard store only (and its run rows)."""
+    from mismatch_lab.store import reader
+
+    s = scan(root)
+    con = reader._open_parquet_dir(s.root, s.files(snap or s.snapshot(), units))
+    con.execute("SET enable_progress_bar = false")
+    return con
+
+
+# --- sources of units: a shard store, a DuckDB store's open connection ----------------------------------------
+
+
+class ShardUnits:
+    """The units of a shard store: fingerprints from its `Scan` (the latest snapshot when it has the store
+    fingerprint `fp`: the one the caller's caches are keyed by), a connection over the units asked for (their
+    files as of that snapshot: nothing written after it is read)."""
+
+    def __init__(self, root: str | Path, fp: str | None = None):
+        self.scan = scan(root)
+        self.key = str(self.scan.root)
+        latest = self.scan.latest
+        self.snap = latest if fp is not None and latest is not None and latest.store == fp else self.scan.snapshot()
+
+    queries = ("step_series", "step_counts", "train_series")  # what the Training page shows of every unit
+
+    def fingerprints(self) -> dict[Unit, str]:
+        return self.snap.fingerprints
+
+    @contextlib.contextmanager
+    def connection(self, units):
+        con = open_units(self.scan.root, units, self.snap)
+        try:
+            yield con
+        finally:
+            con.close()
+
+
+def duck_fingerprints(cur) -> dict[Unit, str]:
+    """(run_id, step) -> the unit's checksum (module doc) on a DuckDB store's connection `cur`."""
+    def summed(table: str, alias: str) -> str:
+        cols = CHECKSUM[table]
+        hashed = f"hash({', '.join(f'{alias}.{c}' for c in cols)})" if cols else f"hash({alias})"
+        join = "" if table == "sequences" else "JOIN q USING (run_id, seq_id)"
+        source = "q" if table == "sequences" else f"{table} {alias}"
+        return (f"(SELECT q.run_id, q.step, count(*) AS n, sum({hashed}) AS h FROM {source} {join} "
+                f"GROUP BY ALL) {alias}")
+
+    sql = f"""WITH q AS (SELECT * FROM sequences WHERE step IS NOT NULL),
+                   r AS (SELECT run_id, hash(x) AS h FROM (SELECT * EXCLUDE (status) FROM runs) x)
+              SELECT q.run_id, q.step, q.n, q.h, t.n, t.h, s.n, s.h, r.h
+              FROM {summed('sequences', 'q')} LEFT JOIN {summed('tokens', 't')} USING (run_id, step)
+                   LEFT JOIN {summed('scores', 's')} USING (run_id, step) LEFT JOIN r USING (run_id)"""
+    code = cache.code_fingerprint()
+    return {(run, int(step)): cache._digest((code, rest)) for run, step, *rest in cur.execute(sql).fetchall()}
+
+
+class DuckUnits:
+    """The units of a DuckDB store, on a fresh cursor `cur` of its (snapshot) connection: the units asked for
+    through temporary views on that cursor (it must not serve another query meanwhile)."""
+
+    queries = ("step_series",)  # on a DuckDB store the page's other look-ups are whole-store queries
+
+    def __init__(self, cur, key: str):
+        self.cur, self.key = cur, key
+
+    def fingerprints(self) -> dict[Unit, str]:
+        return duck_fingerprints(self.cur)
+
+    @contextlib.contextmanager
+    def connection(self, units):
+        cur = self.cur
+        db = cur.execute("SELECT current_database()").fetchall()[0][0].replace('"', '""')
+        cur.register("_ml_units", pd.DataFrame(sorted(units), columns=["run_id", "step"]).astype({"step": "int64"}))
+        cur.execute(f'CREATE OR REPLACE TEMP VIEW sequences AS SELECT q.* FROM "{db}".main.sequences q '
+                    "SEMI JOIN _ml_units u ON u.run_id = q.run_id AND u.step = q.step")
+        for table in ("tokens", "scores"):
+            cur.execute(f'CREATE OR REPLACE TEMP VIEW {table} AS SELECT x.* FROM "{db}".main.{table} x '
+                        "SEMI JOIN sequences q ON q.run_id = x.run_id AND q.seq_id = x.seq_id")
+        try:
+            yield cur
+        finally:
+            for view in ("sequences", "tokens", "scores"):
+                cur.execute(f"DROP VIEW IF EXISTS temp.main.{view}")
+            cur.unregister("_ml_units")
+
+
+# --- the per-unit queries --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class UnitQuery:
+    """A query whose rows each come from one (run_id, step) and carry both columns: `fn(con)`, rows in `order`."""
+
+    fn: Callable
+    order: tuple[str, ...]
+
+
+def _queries() -> dict[str, UnitQuery]:
+    from mismatch_lab.analysis import steps, violations
+
+    return {
+        "step_series": UnitQuery(steps.step_series, ("run_id", "rollout", "scorer", "step")),
+        "step_counts": UnitQuery(steps.step_counts, ("run_id", "step")),
+        "train_series": UnitQuery(violations.train_series, ("run_id", "name", "step")),
+    }
+
+
+_BUILT: dict[tuple[str, str], tuple[dict[Unit, str], pd.DataFrame]] = {}  # (store, query) -> (fingerprints, table)
+_BUILT_LOCK = threading.Lock()
+
+
+def _unit_keys(frame: pd.DataFrame) -> pd.MultiIndex:
+    return pd.MultiIndex.from_arrays([frame["run_id"], frame["step"].astype("int64")])
+
+
+def by_unit(source, results: cache.ResultsCache, name: str) -> pd.DataFrame:
+    """QUERIES[name] of the store of `source` (module doc): parts of unchanged units from memory or the results
+    cache, the others computed on a connection over those units alone and cached one unit each. Where units
+    are computed, every query of `source.queries` is, on the same connection (the Training page asks for
+    each: one connection per refresh, not one per query)."""
+    fps = source.fingerprints()
+    with _BUILT_LOCK:
+        built = _BUILT.get((source.key, name))
+    if built is not None and built[0] == fps:
+        return built[1]
+    kept = {u for u, fp in fps.items() if built is not None and built[0].get(u) == fp}
+    parts = {u: results.get((name, u), fps[u]) for u in fps if u not in kept}
+    todo = sorted(u for u, part in parts.items() if part is cache.MISSING)
+    empty = next((p.iloc[:0] for p in [*([built[1]] if built else []), *parts.values()] if p is not cache.MISSING),
+                 None)
+    if todo or empty is None:
+        fresh = _compute(source, results, fps, todo, name)
+        parts.update(fresh[name][0])
+        empty = fresh[name][1]
+    old = built[1][_unit_keys(built[1]).isin(list(kept))] if kept else empty
+    found = [old, *(p for p in parts.values() if len(p))]
+    out = pd.concat(found, ignore_index=True) if len(found) > 1 else found[0].reset_index(drop=True)
+    out = out.sort_values(list(_queries()[name].order), kind="stable").reset_index(drop=True)
+    with _BUILT_LOCK:
+        _BUILT[(source.key, name)] = (fps, out)
+    return out
+
+
+def _compute(source, results: cache.ResultsCache, fps: dict[Unit, str], todo: list[Unit], name: str) -> dict:
+    """query -> ({unit: its rows}, an empty frame of its columns) for the units `todo`, computed on one
+    connection over them: `name`, and every other query of `source.queries` (cached one unit each)."""
+    out = {}
+    with source.connection(todo) as con:
+        for q in dict.fromkeys([name, *source.queries]):
+            fresh = _queries()[q].fn(con)
+            split = dict(iter(fresh.groupby(_unit_keys(fresh), sort=False))) if len(fresh) else {}
+            empty = fresh.iloc[:0]
+            rows = {u: split.get(u, empty).reset_index(drop=True) for u in todo}
+            for unit, part in rows.items():
+                results.put((q, unit), fps[unit], part)
+            out[q] = (rows, empty)
+    return out
+
+
+# --- the Training page of a shard store ------------------------------------------------------------------------
+
+
+def train_runs(source: ShardUnits, results: cache.ResultsCache) -> pd.DataFrame:
+    """`browse.train_runs` of a shard store: each run's columns from its rows (on a connection over the run rows
+    and one unit of each run with steps, so that a recorded run qualifies as on the whole store), its `steps`
+    and `n_sequences` from the per-unit `step_counts` (every sequence of a shard unit carries the unit's step)."""
+    from mismatch_lab.analysis import browse
+
+    counts = by_unit(source, results, "step_counts")
+    some = sorted(counts.groupby("run_id", sort=True)["step"].first().items())
+    key = cache._digest((sorted(source.snap.runs.items()), [source.snap.fingerprints[u] for u in some]))
+    runs = results.get_or_compute(("train_runs.runs", tuple(some)), key,
+                                  lambda: _on(source, some, browse.train_runs))
+    per_run = counts.groupby("run_id").agg(steps=("step", "size"), n_sequences=("n_sequences", "sum"))
+    out = runs.copy()
+    for column in ("steps", "n_sequences"):
+        out[column] = out["run_id"].map(per_run[column]).fillna(0).astype(runs[column].dtype)
+    return out
+
+
+def _on(source: ShardUnits, units, fn, *args, **kwargs):
+    with source.connection(units) as con:
+        return fn(con, *args, **kwargs)
+
+
+def training_steps(source: ShardUnits, results: cache.ResultsCache, run_id: str) -> pd.DataFrame:
+    """`browse.training_steps(run_id)` of a shard store, from the per-unit `step_counts`."""
+    counts = by_unit(source, results, "step_counts")
+    return counts[counts["run_id"] == run_id].drop(columns="run_id").reset_index(drop=True)
+
+
+def train_series(source: ShardUnits, results: cache.ResultsCache) -> pd.DataFrame:
+    """`violations.train_series` of a shard store, per unit (a unit's metrics carry its step)."""
+    return by_unit(source, results, "train_series")
+
+
+def step_series(source: ShardUnits, results: cache.ResultsCache) -> pd.DataFrame:
+    """`steps.step_series` of a shard store, per unit."""
+    return by_unit(source, results, "step_series")
+
+
+def list_sequences(source: ShardUnits, results: cache.ResultsCache, run_id: str, *, step: int) -> pd.DataFrame:
+    """`browse.list_sequences(run_id, step=step)` of a shard store: that unit's files alone, cached by its
+    fingerprint."""
+    from mismatch_lab.analysis import browse
+
+    unit = (run_id, int(step))
+    return results.get_or_compute(("browse.list_sequences", unit), source.fingerprints().get(unit, "none"),
+                                  lambda: _on(source, [unit], browse.list_sequences, run_id, step=int(step)))
+
+
+TRAINING = {  # the Training page's look-ups: the whole-store function's module -> its per-unit form on a shard store
+    "train_runs": ("mismatch_lab.analysis.browse", train_runs),
+    "training_steps": ("mismatch_lab.analysis.browse", training_steps),
+    "list_sequences": ("mismatch_lab.analysis.browse", list_sequences),
+    "train_series": ("mismatch_lab.analysis.violations", train_series),
+    "step_series": ("mismatch_lab.analysis.steps", step_series),
+}
