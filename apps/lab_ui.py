@@ -658,7 +658,11 @@ def training(name: str, *args, path: str | None = None, **kwargs):
     module, _ = units.TRAINING[name]
     if not is_shard_store(path):
         return _call_named(path, module, name, *args, **kwargs)
-    return _training_by_unit(path, fingerprint(path), name, args, tuple(sorted(kwargs.items())))
+    try:
+        return _training_by_unit(path, fingerprint(path), name, args, tuple(sorted(kwargs.items())))
+    except UserError as exc:  # what `store()` says of a store it cannot open
+        st.error(f"Cannot open `{store_label(path)}`: {exc}")
+        st.stop()
 
 
 @st.cache_data(ttl=TTL_S, show_spinner="Querying the new steps…", max_entries=256)

@@ -83,6 +83,17 @@ def step_counts(con: duckdb.DuckDBPyConnection) -> pd.DataFrame:
     return pd.concat(parts, ignore_index=True)[["run_id", *STEP_COUNT_COLUMNS]]
 
 
+def step_sequences(con: duckdb.DuckDBPyConnection) -> pd.DataFrame:
+    """`browse.list_sequences` of every run with sequences on `con`, with its run_id first (the Training page's
+    sequences of a step, kept per unit by `store.units`)."""
+    from mismatch_lab.analysis.browse import list_sequences
+
+    runs = [r for (r,) in con.execute("SELECT DISTINCT run_id FROM sequences ORDER BY run_id").fetchall()]
+    parts = [list_sequences(con, run).assign(run_id=run) for run in runs] or [list_sequences(con, "").assign(run_id="")]
+    out = pd.concat(parts, ignore_index=True)
+    return out[["run_id", *(c for c in out.columns if c != "run_id")]]
+
+
 STEP_COUNT_COLUMNS = ["step", "n_sequences", "n_tokens", "n_rewarded", "mean_reward", "mean_advantage"]
 
 

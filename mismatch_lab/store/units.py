@@ -215,7 +215,7 @@ class ShardUnits:
         latest = self.scan.latest
         self.snap = latest if fp is not None and latest is not None and latest.store == fp else self.scan.snapshot()
 
-    queries = ("step_series", "step_counts", "train_series")  # what the Training page shows of every unit
+    queries = ("step_series", "step_counts", "train_series", "sequences")  # what the Training page shows of a unit
 
     def fingerprints(self) -> dict[Unit, str]:
         return self.snap.fingerprints
@@ -296,6 +296,7 @@ def _queries() -> dict[str, UnitQuery]:
         "step_series": UnitQuery(steps.step_series, ("run_id", "rollout", "scorer", "step")),
         "step_counts": UnitQuery(steps.step_counts, ("run_id", "step")),
         "train_series": UnitQuery(violations.train_series, ("run_id", "name", "step")),
+        "sequences": UnitQuery(steps.step_sequences, ("run_id", "step", "seq_id")),
     }
 
 
@@ -394,13 +395,17 @@ def step_series(source: ShardUnits, results: cache.ResultsCache) -> pd.DataFrame
 
 
 def list_sequences(source: ShardUnits, results: cache.ResultsCache, run_id: str, *, step: int) -> pd.DataFrame:
-    """`browse.list_sequences(run_id, step=step)` of a shard store: that unit's files alone, cached by its
-    fingerprint."""
+    """`browse.list_sequences(run_id, step=step)` of a shard store: that unit's part of `steps.step_sequences`
+    (computed with the unit's other parts when the unit is new)."""
     from mismatch_lab.analysis import browse
 
-    unit = (run_id, int(step))
-    return results.get_or_compute(("browse.list_sequences", unit), source.fingerprints().get(unit, "none"),
-                                  lambda: _on(source, [unit], browse.list_sequences, run_id, step=int(step)))
+    unit, fps = (run_id, int(step)), source.fingerprints()
+    if unit not in fps:
+        return _on(source, [], browse.list_sequences, run_id, step=int(step))
+    part = results.get(("sequences", unit), fps[unit])
+    if part is cache.MISSING:
+        part = _compute(source, results, fps, [unit], "sequences")["sequences"][0][unit]
+    return part.drop(columns="run_id").reset_index(drop=True)
 
 
 TRAINING = {  # the Training page's look-ups: the whole-store function's module -> its per-unit form on a shard store
