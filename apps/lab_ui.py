@@ -633,9 +633,15 @@ def _steps_by_unit(path: str, fp: str):
     return _on_store(path, lambda cur: units.by_unit(units.DuckUnits(cur, path), disk(path), "step_series"), fp)
 
 
+_DUCKDB: dict[str, bool] = {}
+
+
 def _is_duckdb(path: str) -> bool:
-    files = cache.data_files(path)[1]
-    return bool(files) and files[0].suffix == ".duckdb"
+    """Whether the store at `path` is read from a DuckDB file (a `.duckdb`, or a study folder holding one)."""
+    if path not in _DUCKDB:
+        files = cache.data_files(path)[1]
+        _DUCKDB[path] = bool(files) and files[0].suffix == ".duckdb"
+    return _DUCKDB[path]
 
 
 def live_store() -> str:

@@ -238,8 +238,11 @@ class ShardUnits:
 
 def duck_fingerprints(cur) -> dict[Unit, str]:
     """(run_id, step) -> the unit's checksum (module doc) on a DuckDB store's connection `cur`."""
+    from mismatch_lab.analysis.relations import table_columns
+
     def summed(table: str, alias: str) -> str:
-        cols = CHECKSUM[table]
+        have = table_columns(cur, table)
+        cols = CHECKSUM[table] and [c for c in CHECKSUM[table] if c in have]  # (a column an older file lacks)
         hashed = f"hash({', '.join(f'{alias}.{c}' for c in cols)})" if cols else f"hash({alias})"
         join = "" if table == "sequences" else "JOIN q USING (run_id, seq_id)"
         source = "q" if table == "sequences" else f"{table} {alias}"
