@@ -15,14 +15,14 @@ DuckDB stores (`collect` / `train` write one file; the app reads a snapshot copy
 of the sequences with a step; its fingerprint (`duck_fingerprints`) is, per unit, the count and the sum of
 a 64-bit hash of its rows in each table, over CHECKSUM's columns (what the per-step analysis reads: the
 sequences' whole rows, the tokens' μ, the scores' π), and its run's row without its status. DuckDB writers
-change a step only by inserting or deleting rows (a resumed `train` deletes and redoes its last steps, with
-the same counts and other values; `score` adds a scorer's rows; `collect` sets rewards): each changes a
-count or a hash sum, so a cached unit is reused exactly when its rows are the same (up to a collision of the
-64-bit sums). One pass of hashing over the store (0.19 CPU s on 1 M tokens and 1.5 M scores, 2-core EPYC)
+change a step's rows by inserting or deleting them (a resumed `train` deletes and redoes its last steps, with
+the same counts and other values; `score` adds a scorer's rows) or, for a sequence's reward, updating it
+(`collect`; hashed with the sequence's whole row): each changes a count or a hash sum, so a cached unit is
+reused exactly when the rows it reads are the same (up to a collision of the 64-bit sums). One pass of hashing over the store (0.19 CPU s on 1 M tokens and 1.5 M scores, 2-core EPYC)
 against ~1 CPU s for the per-step analysis of every step.
 
-`by_unit(source, results, name)`: QUERIES[name] on the units whose fingerprint has no cached part (computed
-together, on a connection over those units alone), split by (run_id, step) and cached one unit each
+`by_unit(source, results, name)`: the query `name` (`_queries`) on the units whose fingerprint has no cached
+part (computed together, on a connection over those units alone), split by (run_id, step) and cached one unit each
 (`cache.ResultsCache`); the whole table is kept in memory per store and query with the fingerprints it was
 built from, so a refresh with k new units reads and concatenates k parts, not all of them. Equal to the query
 on the whole store: each row of these queries is computed from the rows of one (run, step) alone.
@@ -300,6 +300,7 @@ class UnitQuery:
 
 
 def _queries() -> dict[str, UnitQuery]:
+    """The per-unit queries by name (a function: the analyses are imported when first used)."""
     from mismatch_lab.analysis import steps, violations
 
     return {
@@ -319,7 +320,7 @@ def _unit_keys(frame: pd.DataFrame) -> pd.MultiIndex:
 
 
 def by_unit(source, results: cache.ResultsCache, name: str) -> pd.DataFrame:
-    """QUERIES[name] of the store of `source` (module doc): parts of unchanged units from memory or the results
+    """The query `name` (`_queries`) of the store of `source` (module doc): parts of unchanged units from memory or the results
     cache, the others computed on a connection over those units alone and cached one unit each. Where units
     are computed, every query of `source.queries` is, on the same connection (the Training page asks for
     each: one connection per refresh, not one per query)."""
@@ -337,7 +338,8 @@ def by_unit(source, results: cache.ResultsCache, name: str) -> pd.DataFrame:
         fresh = _compute(source, results, fps, todo, name)
         parts.update(fresh[name][0])
         empty = fresh[name][1]
-    old = built[1][_unit_keys(built[1]).isin(list(kept))] if kept else empty
+    old = (empty if not kept else built[1] if len(kept) == len(built[0])  # only new units: keep the whole table
+           else built[1][_unit_keys(built[1]).isin(list(kept))])
     found = [old, *(p for p in parts.values() if len(p))]
     out = pd.concat(found, ignore_index=True) if len(found) > 1 else found[0].reset_index(drop=True)
     out = out.sort_values(list(_queries()[name].order), kind="stable").reset_index(drop=True)
@@ -372,11 +374,12 @@ def train_runs(source: ShardUnits, results: cache.ResultsCache) -> pd.DataFrame:
     from mismatch_lab.analysis import browse
 
     counts = by_unit(source, results, "step_counts")
-    some = sorted(counts.groupby("run_id", sort=True)["step"].first().items())
+    by_run = counts.groupby("run_id", sort=True)
+    per_run = {"steps": by_run.size(), "n_sequences": by_run["n_sequences"].sum()}
+    some = [(run, int(step)) for run, step in by_run["step"].first().items()]
     key = cache._digest((sorted(source.snap.runs.items()), [source.snap.fingerprints[u] for u in some]))
     runs = results.get_or_compute(("train_runs.runs", tuple(some)), key,
                                   lambda: _on(source, some, browse.train_runs))
-    per_run = counts.groupby("run_id").agg(steps=("step", "size"), n_sequences=("n_sequences", "sum"))
     out = runs.copy()
     for column in ("steps", "n_sequences"):
         out[column] = out["run_id"].map(per_run[column]).fillna(0).astype(runs[column].dtype)
