@@ -132,17 +132,50 @@ def _candidates(z, lse, rule: SamplingRule, tgt, m: int):
 
 
 def _sorted(z, rule: SamplingRule, tgt):
-    """The rule as vLLM runs it: (log-sum-exp of the kept, target kept) from a full ascending sort."""
+    """The rule as vLLM runs it: (log-sum-exp of the kept, target kept) from a full ascending sort. Only the
+    values are sorted (numpy's vectorised sort, about half of torch's sort with indices on x86): the cumulative
+    sum and log-sum-exp run on the same sorted values as before, so they agree bitwise. Whether the target is
+    kept follows from its value; a row whose target ties the top-p boundary's value across the cut takes
+    torch's sort (`_sorted_by_index`), whose order of the tied decides it."""
+    import numpy as np
     import torch
 
-    zs, idx = z.sort(dim=-1)  # ascending, as vLLM sorts
+    if z.device.type != "cpu":
+        return _sorted_by_index(z, rule, tgt)
+    zs = torch.from_numpy(np.sort(z.numpy(), axis=-1))  # ascending, the values torch's sort gives
+    _, kept_lse, first = _rule_on_sorted(zs, rule)
+    zt = z.gather(1, tgt.view(-1, 1))
+    rows = torch.arange(zs.shape[0])
+    below, at_cut = zs[rows, (first - 1).clamp_min(0)], zs[rows, first.clamp_max(zs.shape[-1] - 1)]
+    at = (zt.view(-1) > below) | (first == 0)
+    tie = (zt.view(-1) == below) & (below == at_cut) & (first > 0)
+    if tie.any():
+        at[tie] = _sorted_by_index(z[tie], rule, tgt[tie])[1]
+    return kept_lse, at
+
+
+def _rule_on_sorted(zs, rule: SamplingRule):
+    """(values with the dropped set to −inf (a copy), log-sum-exp of the kept, index of the first kept) of
+    ascending rows `zs`: top-k keeps >= the k-th largest, top-p drops where the ascending cumulative sum
+    <= 1 − p."""
+    import torch
+
     v = zs.shape[-1]
     if 0 < rule.top_k < v:
-        zs.masked_fill_(zs < zs[:, v - rule.top_k:v - rule.top_k + 1], float("-inf"))
+        zs = zs.masked_fill(zs < zs[:, v - rule.top_k:v - rule.top_k + 1], float("-inf"))
     if rule.top_p < 1.0:
         drop = zs.softmax(dim=-1).cumsum(dim=-1) <= 1 - rule.top_p
         drop[:, -1] = False
-        zs.masked_fill_(drop, float("-inf"))
-    kept_lse = torch.logsumexp(zs, dim=-1)
+        zs = zs.masked_fill(drop, float("-inf"))
+    first = torch.isinf(zs).sum(dim=-1)  # the dropped are a prefix: the cumulative sum never decreases
+    return zs, torch.logsumexp(zs, dim=-1), first
+
+
+def _sorted_by_index(z, rule: SamplingRule, tgt):
+    """`_sorted` with torch's sort and its indices: the target's position decides it (ties by the sort's order)."""
+    import torch
+
+    zs, idx = z.sort(dim=-1)  # ascending, as vLLM sorts
+    zs, kept_lse, _ = _rule_on_sorted(zs, rule)
     pos = (idx == tgt.view(-1, 1)).to(torch.int8).argmax(dim=-1, keepdim=True)
     return kept_lse, torch.isfinite(zs.gather(1, pos)).view(-1)
