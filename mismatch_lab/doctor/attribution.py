@@ -193,10 +193,19 @@ def weight_rounding(w, rollout, scorer, scorers) -> dict:
                     f"vs {rollout}")
 
 
+def rule_side(lp_s, finite) -> tuple[np.ndarray, np.ndarray]:
+    """The sampling rule's side of a pair and where it is usable: the scorer's log π tempered, restricted to
+    the rollout's support and renormalised (`scores.logp_support`, what replaying the sampling mask computes),
+    on finite rows whose token is inside that support. The rule's bias of a row is log π − this side: log S
+    at T = 1, log S plus the temperature's reshaping of π otherwise. The support share (`support`) and the
+    support_bias check (`support_table`, the same share) both read the rule through this one side."""
+    lp = np.asarray(pd.Series(lp_s).to_numpy(dtype=float, na_value=np.nan), dtype=float)
+    return lp, np.isfinite(lp) & pd.Series(finite).fillna(False).astype(bool).to_numpy()
+
+
 def _on_support(w: pd.DataFrame, scorer: str) -> pd.DataFrame:
-    """`w` with the side '<scorer>-processed': the scorer's log π on the rollout's sampling support."""
-    lp = w[f"lp_s|{scorer}"].to_numpy(dtype=float, na_value=np.nan)
-    ok = np.isfinite(lp) & w[f"finite|{scorer}"].fillna(False).astype(bool).to_numpy()
+    """`w` with the side '<scorer>-processed': the scorer's log π on the rollout's sampling rule (`rule_side`)."""
+    lp, ok = rule_side(w[f"lp_s|{scorer}"], w[f"finite|{scorer}"])
     return w.assign(**{f"lpi|{scorer}{PROCESSED}": lp, f"finite|{scorer}{PROCESSED}": ok})
 
 
@@ -297,18 +306,29 @@ def unexplained(rows: list[dict], rollout, scorer, m: float, n: int, runs) -> di
 
 
 def support_table(scored: pd.DataFrame) -> pd.DataFrame:
-    """The support_bias check's rows: per pair of a rollout whose μ is processed (its label ends in
-    PROCESSED) with log S stored: |mean log S| / M over the pair's finite rows with log S (support_ratio)."""
-    cols = ["rollout", "scorer", "support_ratio", "mean_log_s", "abs_dlogp_mean", "n_support"]
-    s = scored[scored["finite"] & scored["log_s"].notna() & scored["rollout"].str.endswith(PROCESSED)]
-    if s.empty:
+    """The support_bias check's rows: per pair of a rollout whose μ is processed (its label ends in PROCESSED)
+    with log S stored, over its finite rows inside the rule's support (`rule_side`): support_ratio = the
+    support share of the attribution (`support`), max(0, M − M_rule) / M with M = mean |log π − log μ| and
+    M_rule = mean |log π_rule − log μ|. Also the mean rule bias log π − log π_rule (= log S at T = 1) and
+    mean log S, the part of it the cut accounts for."""
+    cols = ["rollout", "scorer", "support_ratio", "abs_dlogp_mean", "abs_dlogp_rule", "mean_rule_bias", "mean_log_s",
+            "n_support"]
+    lp_s = scored["lp_s"] if "lp_s" in scored else pd.Series(np.nan, index=scored.index)
+    lp, ok = rule_side(lp_s, scored["finite"])
+    keep = ok & scored["log_s"].notna().to_numpy() & scored["rollout"].str.endswith(PROCESSED).to_numpy()
+    if not keep.any():
         return pd.DataFrame(columns=cols)
-    g = s.assign(ad=(s["lpi"] - s["lmu"]).abs()).groupby(["rollout", "scorer"])
-    t = g.agg(mean_log_s=("log_s", "mean"), abs_dlogp_mean=("ad", "mean"), n_support=("ad", "size")).reset_index()
-    return t.assign(support_ratio=t["mean_log_s"].abs() / t["abs_dlogp_mean"])[cols]
+    s = scored[keep]
+    lpi, lmu = s["lpi"].astype(float), s["lmu"].astype(float)
+    g = s.assign(ad=(lpi - lmu).abs(), ad_rule=(lp[keep] - lmu).abs(), bias=lpi - lp[keep])
+    t = g.groupby(["rollout", "scorer"]).agg(
+        abs_dlogp_mean=("ad", "mean"), abs_dlogp_rule=("ad_rule", "mean"), mean_rule_bias=("bias", "mean"),
+        mean_log_s=("log_s", "mean"), n_support=("ad", "size")).reset_index()
+    share = [_share(m, w) for m, w in zip(t["abs_dlogp_mean"], t["abs_dlogp_rule"])]
+    return t.assign(support_ratio=share)[cols]
 
 
 PROCESSED = "-processed"
 """The rollout label's suffix of processed log-probs (scoring.support.SamplingRule.label: μ after the rule)."""
 
-__all__ = ["SOURCES", "attribute", "support_table"]
+__all__ = ["SOURCES", "attribute", "rule_side", "support_table"]

@@ -72,11 +72,14 @@ SKIPPED = Band("above", "= 0 ok, > 0 warn", OURS + ": prompts longer than the co
 GROWTH = Band("above", "95 % CI above 0 warn, else ok",
               "prime-rl: sustained growth is the early warning of collapse", warn=0.0)
 """Judged on the lower end of the slope's 95 % t-interval: warn when even that is above 0 (growth is significant)."""
-SUPPORT_BIAS = Band("above", "<= 0.5 ok, > 0.5 warn", OURS + ": above half, the sampling support's one-signed bias is "
-                    "the largest part of log r, larger than every other source together", warn=0.5)
-"""|mean log S| / mean |log r| of a rollout whose μ is processed (after temperature / top-k / top-p) against a raw π:
-log S <= 0 on every token, so it biases log r one way; above 0.5 the pair's mismatch is mostly the sampling rule,
-not the numerics (our level: it only warns)."""
+SUPPORT_BIAS = Band("above", "<= 0.5 ok, > 0.5 warn", OURS + ": above half, the sampling rule is the largest part of "
+                    "log r, larger than every other source together", warn=0.5)
+"""The share of mean |log r| that π on the sampling rule removes, for a rollout whose μ is processed (after
+temperature / top-k / top-p) against a raw π: max(0, M − M_rule) / M, M_rule = mean |log π_rule − log μ| with
+π_rule = π tempered, restricted and renormalised (scores.logp_support) — the attribution's support share
+(doctor/attribution.py support_table). It sees the cut (log S) and a temperature the trainer does not apply,
+whose per-token bias is two-signed; above 0.5 the pair's mismatch is mostly the sampling rule, not the numerics
+(our level: it only warns)."""
 NEMO_RL_MULT_PROB_ERROR = Band(
     "above", "<= 1.05 ok, > 1.05 warn",
     "NeMo-RL docs/guides/dtensor-tp-accuracy.md: above 1.05 warrants investigation (token_mult_prob_error)",

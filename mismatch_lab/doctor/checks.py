@@ -67,7 +67,8 @@ CHECKS: tuple[Check, ...] = (
     Check("seq_product_out", "share of sequences with exp(Σ log r) outside [0.5, 2]", B.SEQ_PRODUCT_SHARE, "pairs",
           "seq_product_out", needs=PAIR_NEEDS),
     Check("nonfinite", "non-finite (token, scorer) rows", B.NONFINITE, "pairs", "n_nonfinite", needs=PAIR_NEEDS),
-    Check("support_bias", "|mean log S| / mean |log π − log μ| (processed μ, raw π)", B.SUPPORT_BIAS, "support",
+    Check("support_bias", "share of mean |log π − log μ| that π on the sampling rule removes (processed μ, raw π)",
+          B.SUPPORT_BIAS, "support",
           "support_ratio", needs=SUPPORT_NEEDS),
     Check("skipped_prompts", "prompts skipped (longer than the context)", B.SKIPPED, "skipped", "n_skipped",
           needs=SKIPPED_NEEDS),
@@ -99,8 +100,9 @@ def _detail(check: Check, row) -> str:
 DETAILS = {
     "pairs": lambda r: f"n = {int(r['n_finite']):,} finite rows, {int(r['seq_n']):,} sequences",
     "skipped": lambda r: "",
-    "support": lambda r: (f"mean log S {r['mean_log_s']:.3g}, mean |Δlogp| {r['abs_dlogp_mean']:.3g} over "
-                          f"{int(r['n_support']):,} rows with log S"),
+    "support": lambda r: (f"mean |Δlogp| {r['abs_dlogp_mean']:.3g}, {r['abs_dlogp_rule']:.3g} with π on the rule; "
+                          f"mean rule bias {r['mean_rule_bias']:.3g} (mean log S {r['mean_log_s']:.3g}) over "
+                          f"{int(r['n_support']):,} rows inside the support"),
     "steps": lambda r: (f"95 % CI [{r['ci_low']:.3g}, {r['ci_high']:.3g}] over {int(r['n_steps'])} steps; "
                         f"first {quarter(r['n_steps'])} steps {r['first_mean']:.3g} → last {quarter(r['n_steps'])} {r['last_mean']:.3g}"),
     "batch": lambda r: (f"batch {int(r['b0'])} vs {int(r['batch'])}: {int(r['n_seq'])} sequences, "
