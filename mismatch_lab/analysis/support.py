@@ -14,6 +14,10 @@ under π's own distribution (`scores.log_support`) and log π renormalised over 
                    dlogp_mean is the number to read)
     n_outside      rows whose sampled token is outside π's support (logp_support NULL)
 
+With a temperature log S is not the whole bias of a processed μ: the rule's bias per token is
+log π − logp_support = log S + (log π − log softmax(z / T)), two-signed; over a pair it is dlogp_mean −
+residual_mean. doctor's support_bias check and its support share (doctor/attribution.py `rule_side`) read it.
+
 `view` = 'pair' (every bucket together) | 'mu_bucket' (definitions.bucket_sql on the log scale, with
 `mu_lo`, `mu_hi`). A store without `log_support` (or without a value in it) gives an empty table.
 """
