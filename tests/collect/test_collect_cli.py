@@ -115,13 +115,21 @@ def _content(db: Path):
     return out
 
 
-def test_killed_runs_resume_with_nothing_lost_and_nothing_duplicated(tmp_path, tiny_model, signalled_cli):
+def _collect_here(capfd, args) -> tuple[int, str]:
+    """`collect` in this process (no interpreter and import start-up); stdout and stderr joined as a child's."""
+    capfd.readouterr()
+    code = main(args)
+    out, err = capfd.readouterr()
+    return code, out + err
+
+
+def test_killed_runs_resume_with_nothing_lost_and_nothing_duplicated(tmp_path, tiny_model, signalled_cli, capfd):
+    # the interruptions need their own process (real SIGINT, SIGKILL); the reference, the resume and the rerun
+    # of a complete run read and write only the store, so they run in this process
     prompts = _prompts(tmp_path / "p.jsonl", 12, long_every=6)  # 2 of 12 prompts too long for the context
     ref_db, db = tmp_path / "ref.duckdb", tmp_path / "killed.duckdb"
-    args = _args(tiny_model, prompts, ref_db)
-    ref = _collect_proc(args)
-    out, _ = ref.communicate(timeout=300)
-    assert ref.returncode == 0, out
+    code, out = _collect_here(capfd, _args(tiny_model, prompts, ref_db))
+    assert code == 0, out
     assert "skipped prompts (longer than the context): 2" in out
     expected = _content(ref_db)
     assert expected["runs"][0][1] == "complete" and expected["dup"] == 0
@@ -144,16 +152,14 @@ def test_killed_runs_resume_with_nothing_lost_and_nothing_duplicated(tmp_path, t
     # what was committed before the kill is already final (rewards are filled when the run completes)
     assert {r[:-1] for r in got_partial["seq"]} <= {r[:-1] for r in expected["seq"]}
     assert set(got_partial["tok"]) <= set(expected["tok"]) and set(got_partial["sc"]) <= set(expected["sc"])
-    p = _collect_proc(_args(tiny_model, prompts, db))
-    out, _ = p.communicate(timeout=300)
-    assert p.returncode == 0, out
+    code, out = _collect_here(capfd, _args(tiny_model, prompts, db))
+    assert code == 0, out
     got = _content(db)
     assert got == expected  # same rows, same values (per-sample seeds), run complete, no duplicates
 
     # a complete run is not redone
-    p = _collect_proc(_args(tiny_model, prompts, db))
-    out, _ = p.communicate(timeout=300)
-    assert p.returncode == 0 and "already complete" in out
+    code, out = _collect_here(capfd, _args(tiny_model, prompts, db))
+    assert code == 0 and "already complete" in out
     assert _content(db) == expected
 
 
