@@ -76,7 +76,7 @@ def step_counts(con: duckdb.DuckDBPyConnection) -> pd.DataFrame:
     `store.units`)."""
     from mismatch_lab.analysis.browse import training_steps
 
-    runs = [r for (r,) in con.execute("SELECT DISTINCT run_id FROM sequences ORDER BY run_id").fetchall()]
+    runs = _runs_with_sequences(con)
     parts = [training_steps(con, run).assign(run_id=run) for run in runs]
     if not parts:
         return training_steps(con, "").assign(run_id=pd.Series(dtype=object))[["run_id", *STEP_COUNT_COLUMNS]]
@@ -88,10 +88,15 @@ def step_sequences(con: duckdb.DuckDBPyConnection) -> pd.DataFrame:
     sequences of a step, kept per unit by `store.units`)."""
     from mismatch_lab.analysis.browse import list_sequences
 
-    runs = [r for (r,) in con.execute("SELECT DISTINCT run_id FROM sequences ORDER BY run_id").fetchall()]
+    runs = _runs_with_sequences(con)
     parts = [list_sequences(con, run).assign(run_id=run) for run in runs] or [list_sequences(con, "").assign(run_id="")]
     out = pd.concat(parts, ignore_index=True)
     return out[["run_id", *(c for c in out.columns if c != "run_id")]]
+
+
+def _runs_with_sequences(con: duckdb.DuckDBPyConnection) -> list:
+    """The run ids that have sequences on `con`, in order."""
+    return [r for (r,) in con.execute("SELECT DISTINCT run_id FROM sequences ORDER BY run_id").fetchall()]
 
 
 STEP_COUNT_COLUMNS = ["step", "n_sequences", "n_tokens", "n_rewarded", "mean_reward", "mean_advantage"]

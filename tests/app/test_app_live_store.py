@@ -128,15 +128,21 @@ def test_a_fresh_process_reads_cached_results_and_recomputes_them_once_the_store
     assert int(changed["n_tokens"].sum()) == 2 * B * T == 2 * int(first["n_tokens"].sum())
 
 
-def test_an_entry_not_signed_with_the_users_key_is_never_unpickled(tmp_path):
+def _one_entry(tmp_path, value):
+    """A one-step shard store whose results cache holds `value` under the query ('q',): (store, cache,
+    fingerprint, the entry's file)."""
     path = tmp_path / "live"
     with _recorder(path) as rec:
         _log(rec, 0, 0)
     results = cache.ResultsCache(path)
     fp = cache.fingerprint(path)
-    results.put(("q",), fp, "ours")
+    results.put(("q",), fp, value)
+    return path, results, fp, results._file(("q",), fp)
+
+
+def test_an_entry_not_signed_with_the_users_key_is_never_unpickled(tmp_path):
+    _, results, fp, entry = _one_entry(tmp_path, "ours")
     assert results.get(("q",), fp) == "ours"
-    entry = results._file(("q",), fp)
 
     class Boom:
         def __reduce__(self):
@@ -411,13 +417,7 @@ def test_a_rewrite_that_keeps_size_and_mtime_changes_the_fingerprint(tmp_path):
 def test_a_killed_cache_write_leaves_a_temporary_that_the_next_open_removes_once_stale(tmp_path):
     import time
 
-    path = tmp_path / "live"
-    with _recorder(path) as rec:
-        _log(rec, 0, 0)
-    results = cache.ResultsCache(path)
-    fp = cache.fingerprint(path)
-    results.put(("q",), fp, "value")
-    entry = results._file(("q",), fp)
+    path, _, fp, entry = _one_entry(tmp_path, "value")
     stale, live = (entry.with_name(f".{entry.name}.{pid}.1") for pid in (111, 222))
     for tmp, age in ((stale, cache.STALE_TMP_S + 60), (live, 1)):  # as a write killed before its rename leaves
         tmp.write_bytes(b"half an entry")
