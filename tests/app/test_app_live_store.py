@@ -62,14 +62,22 @@ def _per_step(at) -> pd.DataFrame:
     return next(d.value for d in at.dataframe if {"step", "kl_k3", "abs_dp_mean"} <= set(d.value.columns))
 
 
-def _refresh(at, lab_ui, monkeypatch):
-    monkeypatch.setattr(lab_ui, "FINGERPRINT_S", 0.0)  # the page takes the store's fingerprint on this run
+@pytest.fixture
+def lab_cache(lab_ui):
+    """The app's caches module (apps/lab_cache.py): where the fingerprint's hold times are read."""
+    import lab_cache
+
+    return lab_cache
+
+
+def _refresh(at, lab_cache, monkeypatch):
+    monkeypatch.setattr(lab_cache, "FINGERPRINT_S", 0.0)  # the page takes the store's fingerprint on this run
     at.run()
     assert not at.exception, at.exception
     return at
 
 
-def test_a_refresh_shows_new_steps_and_computes_only_those(tmp_path, monkeypatch, lab_ui, counted):
+def test_a_refresh_shows_new_steps_and_computes_only_those(tmp_path, monkeypatch, lab_cache, counted):
     path = tmp_path / "live"
     with _recorder(path) as rec:
         for step in range(3):
@@ -78,7 +86,7 @@ def test_a_refresh_shows_new_steps_and_computes_only_those(tmp_path, monkeypatch
         assert _per_step(at)["step"].tolist() == [0, 1, 2] and counted == [{0, 1, 2}]
         for step in (3, 4):  # the writer goes on while the page is open
             _log(rec, step, step)
-        _refresh(at, lab_ui, monkeypatch)
+        _refresh(at, lab_cache, monkeypatch)
         shown = _per_step(at)
         assert shown["step"].tolist() == [0, 1, 2, 3, 4]
         assert counted == [{0, 1, 2}, {3, 4}]  # the finished steps came from the cache
@@ -86,7 +94,7 @@ def test_a_refresh_shows_new_steps_and_computes_only_those(tmp_path, monkeypatch
         pd.testing.assert_frame_equal(shown.reset_index(drop=True), whole, rtol=RTOL)
 
 
-def test_a_rewritten_step_shows_its_new_numbers(tmp_path, monkeypatch, lab_ui, counted):
+def test_a_rewritten_step_shows_its_new_numbers(tmp_path, monkeypatch, lab_cache, counted):
     path = tmp_path / "live"
     with _recorder(path) as rec:
         for step in range(3):
@@ -95,7 +103,7 @@ def test_a_rewritten_step_shows_its_new_numbers(tmp_path, monkeypatch, lab_ui, c
     before = _per_step(at).set_index("step")
     with _recorder(path) as rec:  # a resumed job logs step 1 again: its files are replaced
         _log(rec, 1, 99)
-    _refresh(at, lab_ui, monkeypatch)
+    _refresh(at, lab_cache, monkeypatch)
     after = _per_step(at).set_index("step")
     assert counted[-1] == {1}
     assert after.loc[1, "abs_dp_mean"] != before.loc[1, "abs_dp_mean"]
@@ -105,7 +113,7 @@ def test_a_rewritten_step_shows_its_new_numbers(tmp_path, monkeypatch, lab_ui, c
 
 
 def test_a_fresh_process_reads_cached_results_and_recomputes_them_once_the_store_changes(
-        tmp_path, monkeypatch, lab_ui):
+        tmp_path, monkeypatch, lab_ui, lab_cache):
     import streamlit as st
 
     path = tmp_path / "live"
@@ -122,7 +130,7 @@ def test_a_fresh_process_reads_cached_results_and_recomputes_them_once_the_store
         assert len(calls) == 1
         pd.testing.assert_frame_equal(again, first)
         _log(rec, 1, 1)
-        monkeypatch.setattr(lab_ui, "FINGERPRINT_S", 0.0)
+        monkeypatch.setattr(lab_cache, "FINGERPRINT_S", 0.0)
         changed = lab_ui.precision_of(str(path))
     assert len(calls) == 2
     assert int(changed["n_tokens"].sum()) == 2 * B * T == 2 * int(first["n_tokens"].sum())
@@ -282,7 +290,7 @@ def step_passes(monkeypatch):
 
 
 def test_a_duckdb_store_being_trained_reuses_the_steps_it_computed_and_recomputes_a_redone_one(
-        tmp_path, monkeypatch, lab_ui, step_passes):
+        tmp_path, monkeypatch, lab_cache, step_passes):
     from mismatch_lab.rl.loop import _delete_steps_after
     from mismatch_lab.store.schema import create_schema
     from mismatch_lab.store.writer import StoreWriter
@@ -297,18 +305,18 @@ def test_a_duckdb_store_being_trained_reuses_the_steps_it_computed_and_recompute
             _train_step(writer, "train-live", step, step)
         at = open_page(db, monkeypatch, "training")
         assert _per_step(at)["step"].tolist() == [0, 1, 2]
-        monkeypatch.setattr(lab_ui, "DUCKDB_FINGERPRINT_S", 0.0)
+        monkeypatch.setattr(lab_cache, "DUCKDB_FINGERPRINT_S", 0.0)
         for step in (3, 4):  # train goes on while the page is open
             _train_step(writer, "train-live", step, step)
         step_passes.clear()
-        shown = _per_step(_refresh(at, lab_ui, monkeypatch))
+        shown = _per_step(_refresh(at, lab_cache, monkeypatch))
         assert shown["step"].tolist() == [0, 1, 2, 3, 4]
         assert step_passes == [{3, 4}]  # steps 0-2 were not computed again
         before = shown.set_index("step")
         _delete_steps_after(writer.con, "train-live", 3)  # a resumed run redoes step 4: same counts, new values
         _train_step(writer, "train-live", 4, 99)
         step_passes.clear()
-        after = _per_step(_refresh(at, lab_ui, monkeypatch)).set_index("step")
+        after = _per_step(_refresh(at, lab_cache, monkeypatch)).set_index("step")
         assert step_passes == [{4}]
         assert after.loc[4, "abs_dp_mean"] != before.loc[4, "abs_dp_mean"]
         pd.testing.assert_frame_equal(after.loc[[0, 1, 2, 3]], before.loc[[0, 1, 2, 3]])

@@ -1,0 +1,203 @@
+"""The app's caches: the store's fingerprint, the connection and query results keyed by it, and the per-unit
+look-ups of a store being written.
+
+The connection is a `st.cache_resource` (one per store path and fingerprint); query results are
+`st.cache_data`, backed by the results cache on disk (`mismatch_lab.store.cache`); every cache is keyed by
+the store's fingerprint (its files' sizes and times), so a store that a writer changes is re-read at the
+next page run, and nothing computed is shown for data that changed. A pair's joined rows are kept on a
+cursor of their own (`_PairRows`), so that every bucketing of the pair is a GROUP BY over one table. The
+Training page of a store being written reads it per unit of (run, step) (`_training_by_unit`,
+`_steps_by_unit`; `mismatch_lab.store.units`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import threading
+import time
+
+import streamlit as st
+from lab_stores import (
+    _PAGE_QUERIES,
+    StoreClosed,
+    _Stopped,
+    _Store,
+    _WarmUp,
+    clear_at_exit,
+)
+
+from mismatch_lab.analysis import volatility
+from mismatch_lab.store import cache
+
+TTL_S = 600  # what the memory caches keep at most this long (a changed store is re-read at once: `fingerprint`)
+FINGERPRINT_S = 0.5  # a store's fingerprint is taken again after this long (one stat of its files per page run)
+DUCKDB_FINGERPRINT_S = 5.0  # ... a DuckDB file's: a change seen while a writer holds it means a snapshot copy
+_FINGERPRINTS: dict[str, tuple[float, str]] = {}
+_DISK: dict[str, cache.ResultsCache] = {}
+
+
+def fingerprint(path: str) -> str:
+    """The fingerprint of the store's data (`store.cache`): another one as soon as a writer adds or changes a
+    file, so every cache below (connection, queries, disk) is keyed by it and a refresh shows new data."""
+    now = time.monotonic()
+    taken = _FINGERPRINTS.get(path)
+    hold = DUCKDB_FINGERPRINT_S if path.endswith(".duckdb") else FINGERPRINT_S
+    if taken is None or now - taken[0] > hold:
+        taken = _FINGERPRINTS[path] = (now, cache.fingerprint(path))
+    return taken[1]
+
+
+def disk(path: str) -> cache.ResultsCache:
+    """The results cache on disk of the store at `path` (`store.cache`: beside the store, or elsewhere)."""
+    key = f"{path}\0{os.environ.get(cache.ENV_VAR, '')}"
+    if key not in _DISK:
+        _DISK[key] = cache.ResultsCache(path)
+    return _DISK[key]
+
+
+@st.cache_resource(ttl=TTL_S, show_spinner="Opening the store…", on_release=_Store.release, max_entries=8)
+def _store_at(path: str, fp: str) -> _Store:
+    return _Store(path)
+
+
+def _connection(path: str, fp: str | None = None) -> _Store:
+    """The open store of `path` as of fingerprint `fp` (default: now); the fingerprint is taken before it opens."""
+    return _store_at(path, fp or fingerprint(path))
+
+
+def _on_store(path: str, work, fp: str | None = None):
+    """`work(cursor)` on the open store of `path`; again on a fresh store if *Reload data* closed it meanwhile."""
+    for attempt in range(2):
+        store_ = _connection(path, fp)
+        try:
+            with store_.using() as cur:
+                return work(cur)
+        except StoreClosed:
+            if attempt or store_.closing:
+                raise
+
+
+def _fetch(path: str, query_: tuple, fp: str, compute):
+    """A result the memory cache lacks: read from the disk cache, else computed and written there. A page's
+    fetch counts as page work, so the warm-up waits for it (unpickling a large table takes a core too)."""
+    thread = threading.current_thread()
+    if not isinstance(thread, _WarmUp):
+        with _PAGE_QUERIES.running():
+            return disk(path).get_or_compute(query_, fp, compute)
+    _PAGE_QUERIES.wait_quiet(thread)
+    if thread.stopping:
+        raise _Stopped
+    return disk(path).get_or_compute(query_, fp, compute)
+
+
+@st.cache_data(ttl=TTL_S, show_spinner="Querying…", max_entries=512)
+def _cached(path: str, fp: str, module: str, name: str, args: tuple, kwargs: tuple):
+    """`module.name(cursor, *args, **kwargs)` on the store as of `fp`: from the disk cache, else computed and
+    kept there. The function is imported only when computed (the Corrections rules import torch)."""
+    def compute():
+        fn = getattr(importlib.import_module(module), name)
+        return _on_store(path, lambda cur: fn(cur, *args, **dict(kwargs)), fp)
+
+    return _fetch(path, (module, name, args, kwargs), fp, compute)
+
+
+def _call(path: str, fn, *args, **kwargs):
+    return _call_named(path, fn.__module__, fn.__name__, *args, **kwargs)
+
+
+def _call_named(path: str, module: str, name: str, *args, **kwargs):
+    return _cached(path, fingerprint(path), module, name, args, tuple(sorted(kwargs.items())))
+
+
+class _PairRows:
+    """One pair's rollout rows joined once into a temporary table on a cursor of their own (the join of
+    tokens and scores is most of a volatility pass), so that every bucketing of the pair -- a new bucket
+    count, scale or ε -- is a GROUP BY over that table instead of a new join. A lock serialises the
+    sessions that share it (a DuckDB cursor must not be used by two threads at once). The temporary table
+    lives as long as its cursor: closed when the cache drops the pair, or with the store."""
+
+    def __init__(self, store_: _Store, rollout: str, scorer: str):
+        from mismatch_lab.analysis.relations import Filters
+        from mismatch_lab.analysis.rows import Rows
+
+        self.lock = threading.Lock()
+        self.store = store_
+        self.cursor = store_.held_cursor()
+        try:
+            with store_.using(self.cursor) as cur:  # the join: the long query, interruptible like any other
+                self.rows = Rows(cur, Filters.make(rollout, scorer), materialize=True)
+        except BaseException:
+            store_.drop(self.cursor)
+            raise
+
+    def close(self) -> None:
+        with self.lock:
+            self.store.drop(self.cursor)
+            self.rows = self.cursor = None  # no DuckDB object outlives the pair's release
+
+
+@st.cache_resource(
+    ttl=TTL_S,
+    show_spinner="Joining the pair's tokens…",
+    max_entries=64,
+    validate=lambda pair: pair.store.usable,  # joined on a store the cache has dropped since: join again
+    on_release=_PairRows.close,
+)
+def _pair_rows(path: str, rollout: str, scorer: str, fp: str | None = None) -> _PairRows:
+    return _PairRows(_connection(path, fp), rollout, scorer)
+
+
+@st.cache_data(ttl=TTL_S, show_spinner="Querying…", max_entries=512)
+def _volatility(path: str, fp: str, rollout: str, scorer: str, buckets: str, n_buckets: int, eps_low: float,
+                eps_high: float):
+    query_ = ("volatility", rollout, scorer, buckets, n_buckets, eps_low, eps_high)
+    return _fetch(path, query_, fp, lambda: _volatility_on_pair(
+        path, fp, rollout, scorer, buckets, n_buckets, eps_low, eps_high))
+
+
+def _volatility_on_pair(path, fp, rollout, scorer, buckets, n_buckets, eps_low, eps_high):
+    for attempt in range(2):
+        pair = _pair_rows(path, rollout, scorer, fp)
+        try:
+            with pair.lock:
+                if pair.cursor is None:  # released between the look-up and the lock
+                    raise StoreClosed("the pair was released")
+                with pair.store.using(pair.cursor) as cur:
+                    return volatility.volatility_table(cur, rollout=rollout, scorer=scorer, buckets=buckets,
+                                                       n_buckets=n_buckets, eps_low=eps_low, eps_high=eps_high,
+                                                       _rows=pair.rows)
+        except StoreClosed:  # *Reload data* closed the pair's store between the look-up and the query
+            if attempt or pair.store.closing:
+                raise
+
+
+@st.cache_data(ttl=TTL_S, show_spinner="Querying the new steps…", max_entries=64)
+def _steps_by_unit(path: str, fp: str):
+    """The per-unit step series of a DuckDB store as of `fp` (`store.units.DuckUnits` on the snapshot)."""
+    from mismatch_lab.store import units
+
+    return _on_store(path, lambda cur: units.by_unit(units.DuckUnits(cur, path), disk(path), "step_series"), fp)
+
+
+_DUCKDB: dict[str, bool] = {}
+
+
+def _is_duckdb(path: str) -> bool:
+    """Whether the store at `path` is read from a DuckDB file (a `.duckdb`, or a study folder holding one)."""
+    if path not in _DUCKDB:
+        files = cache.data_files(path)[1]
+        _DUCKDB[path] = bool(files) and files[0].suffix == ".duckdb"
+    return _DUCKDB[path]
+
+
+@st.cache_data(ttl=TTL_S, show_spinner="Querying the new steps…", max_entries=256)
+def _training_by_unit(path: str, fp: str, name: str, args: tuple, kwargs: tuple):
+    from mismatch_lab.store import units
+
+    with _PAGE_QUERIES.running():
+        return units.TRAINING[name][1](units.ShardUnits(path, fp), disk(path), *args, **dict(kwargs))
+
+
+for _cached_resource in (_store_at, _pair_rows):
+    clear_at_exit(_cached_resource)
