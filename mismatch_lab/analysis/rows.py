@@ -162,13 +162,12 @@ class Rows:
         self._const = {name: typed_null("DOUBLE") for name, src in (("entropy", "entropy"), ("tv_exact", "tv_exact_vs_ref"))
                        if src not in scols} | ({} if rollout_topk else {"topk": typed_null("STRUCT(tv DOUBLE, kl DOUBLE)")})
         enums = self._enums() if materialize else None
-        # the scorer side (scorer vs reference) is read live: two passes cost less than materialising it
-        self.sql: dict[str, tuple[str, dict]] = {}
-        sql, params = scorer_base(con, self.filters, reference, topk=scorer_topk)
-        self.sql["scorer"] = (self._unless_absent(with_metrics(sql), reference), params)
-        sql, params = scorer_base(con, self.filters, reference, topk=False)
-        # for the per-sequence pass: no top-K
-        self.sql["scorer_plain"] = (self._unless_absent(with_metrics(sql), reference), params)
+        # the scorer side (scorer vs reference) is read live: two passes cost less than materialising it; its
+        # SQL is written when a pass first reads it (the per-step series reads the rollout side alone)
+        self.sql = _Built({
+            "scorer": lambda: self._scorer_sql(reference, scorer_topk),
+            "scorer_plain": lambda: self._scorer_sql(reference, False),  # for the per-sequence pass: no top-K
+        })
         if materialize:
             # columns the store lacks are constants: added after the join instead of stored per row
             self._fixed = ({} if "category" in tcols else {"category": "'uncategorized'"}) | self._single()
@@ -177,6 +176,10 @@ class Rows:
         else:
             sql, params = rollout_base(con, self.filters, topk=rollout_topk)
             self.sql["rollout"] = (with_metrics(sql), params)
+
+    def _scorer_sql(self, reference: str, topk: bool) -> tuple[str, dict]:
+        sql, params = scorer_base(self.con, self.filters, reference, topk=topk)
+        return self._unless_absent(with_metrics(sql), reference), params
 
     def _unless_absent(self, rel: str, reference: str) -> str:
         """`rel`, or no rows without reading the store where the labels read for the ENUMs (a
@@ -312,6 +315,21 @@ class Rows:
             return query(self.con, self._refill(sql, keys), params)
 
         return self._run(("grid", t, n_linear, n_log), run)
+
+    def step_sums(self, t: Thresholds) -> pd.DataFrame:
+        """PRECISION_SUMS per (rollout, scorer, run_id, step) of the rollout rows with a step, in a pass of its
+        own: what a per-step series alone needs (a refresh's few new steps: the grid's plan, with its other
+        keys and sums, took ~20 ms of CPU before any row was read). `run_all` rolls up its grid instead."""
+
+        def run():
+            rel, params = self.sql["rollout"]
+            keys = ["rollout", "scorer", "run_id", "step"]
+            sql = f"""
+                SELECT {', '.join(self._free(keys))}, {sums_sql(t, PRECISION_SUMS, absent=self._const)}
+                FROM ({rel}) WHERE step IS NOT NULL GROUP BY ALL"""
+            return query(self.con, self._refill(sql, keys), params)
+
+        return self._run(("step_sums", t), run)
 
     def scorer_sums(self, t: Thresholds = Thresholds(), delta_tv: float = d.DELTA_TV) -> pd.DataFrame:
         """Per (rollout, scorer, reference) of the scorer-vs-reference rows: the PRECISION_SUMS (for the
@@ -457,6 +475,18 @@ class Rows:
             return query(self.con, self._refill(sql, names, order=True) if side == "rollout" else f"{sql} ORDER BY {keys}", params)
 
         return self._run(("sequences", side), run)
+
+
+class _Built(dict):
+    """`Rows.sql`: name -> (SQL, params) of a row set, written at its first look-up by the builder given."""
+
+    def __init__(self, builders: dict):
+        super().__init__()
+        self._builders = builders
+
+    def __missing__(self, name: str) -> tuple[str, dict]:
+        self[name] = self._builders[name]()
+        return self[name]
 
 
 WRITE_SETTINGS = {"preserve_insertion_order": "false", "disabled_optimizers": "build_side_probe_side"}

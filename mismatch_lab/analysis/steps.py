@@ -11,8 +11,9 @@ each token's sequence step; a token whose sequence row is missing or has no step
 * abs_dlogp_mean mean |log pi - log mu|              (log space, nats)
 * kl_k3          mean k3 = r - log r - 1             (token-level estimate of KL(mu || pi), nats)
 * frac_ratio_outside_clip  share with r < clip_low or r > clip_high (default [0.8, 1.28])
-The metrics are those of `precision.token_metrics`, computed from the same additive sums (the grid of
-`rows.Rows.grid`, rolled up by step), so a step's row equals the precision table of that step's tokens alone.
+The metrics are those of `precision.token_metrics`, computed from the same additive sums (`rows.Rows.step_sums`,
+or run_all's grid of `rows.Rows.grid` rolled up by step), so a step's row equals the precision table of that
+step's tokens alone.
 
 `growth(series, metric)`: per (run_id, rollout, scorer) with at least 3 steps, the OLS slope of the metric
 on the step number (per step) with its two-sided 95 % t-interval (n_steps − 2 degrees of freedom;
@@ -29,7 +30,7 @@ import pandas as pd
 from mismatch_lab.analysis import definitions as d
 from mismatch_lab.analysis.precision import token_metrics
 from mismatch_lab.analysis.relations import Filters, empty, table_columns
-from mismatch_lab.analysis.rows import Rows, Thresholds, rollup
+from mismatch_lab.analysis.rows import PRECISION_SUMS, Rows, Thresholds, rollup
 
 METRIC_COLUMNS = ["abs_dp_mean", "abs_dlogp_mean", "kl_k3", "frac_ratio_outside_clip"]
 STEP_COLUMNS = ["run_id", "rollout", "scorer", "step", "n_tokens", "n_nonfinite", "n_finite", *METRIC_COLUMNS]
@@ -59,10 +60,15 @@ def step_series(
     rows = _rows or Rows(con, Filters.make(rollout, scorer, run_ids), topk=False)  # _rows: run_all's row set
     if not rows.ok or not has_steps(con):
         return empty(STEP_COLUMNS)
-    # the row set carries each token's sequence step (relations.advantage_sql): the grid keeps it
-    grid = rows.grid(Thresholds(clip_low=clip_low, clip_high=clip_high))
+    # the row set carries each token's sequence step (relations.advantage_sql): run_all's grid keeps it; a
+    # call of its own sums the steps alone
+    t = Thresholds(clip_low=clip_low, clip_high=clip_high)
     keys = ["run_id", "rollout", "scorer", "step"]
-    s = rollup(grid[grid["step"].notna()], keys)
+    if _rows is None:
+        s = rows.step_sums(t)[keys + list(PRECISION_SUMS)]
+    else:
+        grid = rows.grid(t)
+        s = rollup(grid[grid["step"].notna()], keys)
     if s.empty:
         return empty(STEP_COLUMNS)
     out = pd.concat([s[keys], token_metrics(s)], axis=1)

@@ -312,6 +312,7 @@ def _queries() -> dict[str, UnitQuery]:
 
 
 _BUILT: dict[tuple[str, str], tuple[dict[Unit, str], pd.DataFrame]] = {}  # (store, query) -> (fingerprints, table)
+_FRESH: dict[str, dict[tuple, pd.DataFrame]] = {}  # store -> (query, unit, fingerprint) -> the parts last computed
 _BUILT_LOCK = threading.Lock()
 
 
@@ -330,7 +331,10 @@ def by_unit(source, results: cache.ResultsCache, name: str) -> pd.DataFrame:
     if built is not None and built[0] == fps:
         return built[1]
     kept = {u for u, fp in fps.items() if built is not None and built[0].get(u) == fp}
-    parts = {u: results.get((name, u), fps[u]) for u in fps if u not in kept}
+    with _BUILT_LOCK:
+        fresh = _FRESH.get(source.key, {})
+    parts = {u: fresh.get((name, u, fps[u])) for u in fps if u not in kept}
+    parts = {u: results.get((name, u), fps[u]) if part is None else part for u, part in parts.items()}
     todo = sorted(u for u, part in parts.items() if part is cache.MISSING)
     empty = next((p.iloc[:0] for p in [*([built[1]] if built else []), *parts.values()] if p is not cache.MISSING),
                  None)
@@ -351,8 +355,10 @@ def by_unit(source, results: cache.ResultsCache, name: str) -> pd.DataFrame:
 def _compute(source, results: cache.ResultsCache, fps: dict[Unit, str], todo: list[Unit], name: str) -> dict:
     """query -> ({unit: its rows}, an empty frame of its columns) for the units `todo`, computed on one
     connection over them: `name`, and every other query of `source.queries` (cached one unit each)."""
+    from mismatch_lab.analysis.relations import fixed_schema
+
     out = {}
-    with source.connection(todo) as con:
+    with source.connection(todo) as con, fixed_schema(con):
         for q in dict.fromkeys([name, *source.queries]):
             fresh = _queries()[q].fn(con)
             split = dict(iter(fresh.groupby(_unit_keys(fresh), sort=False))) if len(fresh) else {}
@@ -361,6 +367,8 @@ def _compute(source, results: cache.ResultsCache, fps: dict[Unit, str], todo: li
             for unit, part in rows.items():
                 results.put((q, unit), fps[unit], part)
             out[q] = (rows, empty)
+    with _BUILT_LOCK:  # the other queries' parts, for their `by_unit` of the same refresh (not read back from disk)
+        _FRESH[source.key] = {(q, u, fps[u]): part for q, (rows, _) in out.items() for u, part in rows.items()}
     return out
 
 
@@ -387,7 +395,9 @@ def train_runs(source: ShardUnits, results: cache.ResultsCache) -> pd.DataFrame:
 
 
 def _on(source: ShardUnits, units, fn, *args, **kwargs):
-    with source.connection(units) as con:
+    from mismatch_lab.analysis.relations import fixed_schema
+
+    with source.connection(units) as con, fixed_schema(con):
         return fn(con, *args, **kwargs)
 
 
