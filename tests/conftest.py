@@ -5,6 +5,9 @@
 - `embedded_model`: the real SmolLM2-135M-Instruct, for the tests where the numbers matter.
 - `vllm_tiny_fp32`: one in-process vLLM CPU engine on the tiny model, shared by every test that needs it.
 - `signalled_cli`: starts `mismatch-lab ARGS` in a child process that interrupts itself at a fixed chunk.
+
+The two xdist workers take whole test files (`--dist loadfile`: a module's fixtures are built once), slowest
+files first (tests/durations.txt), so that both finish together.
 """
 
 from __future__ import annotations
@@ -13,11 +16,32 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine: 3 s start, no spawn
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# TRL builds its colocated vLLM engine without enforce_eager; on CPU vLLM then compiles the model with inductor
+# (~25 s per engine with an empty compile cache). This flag, vLLM's own for its CPU CI, keeps the dynamo trace but
+# runs it with the eager backend, as our engines run (enforce_eager). It changes only how fast the engine starts.
+os.environ.setdefault("VLLM_CPU_CI_ENV", "1")
+
+DURATIONS = Path(__file__).with_name("durations.txt")  # seconds per test file, from scripts/test_durations.py
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """Slowest files first (a stable sort: the order within a file is kept; files not listed go last, in
+    collection order), so that the last file a worker takes is a short one."""
+    if not DURATIONS.exists():
+        return
+    seconds = {}
+    for line in DURATIONS.read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            value, path = line.split(maxsplit=1)
+            seconds[path] = float(value)
+    items.sort(key=lambda item: -seconds.get(item.nodeid.split("::")[0], 0.0))
 
 
 @pytest.fixture(scope="session")
