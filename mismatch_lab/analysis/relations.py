@@ -43,31 +43,45 @@ def table_columns(con: duckdb.DuckDBPyConnection, table: str) -> set[str]:
     """Column names of a table or view in the main schema (empty set when it does not exist), without
     the contract columns a Parquet store lacks and its view fills with NULL (reader.FILLED_COLUMNS):
     queries then use a typed NULL constant instead of reading, or materialising, an empty column. Inside
-    `fixed_schema(con)`, from one look-up of every table's columns."""
-    fixed = _FIXED.get()
-    if fixed is not None and fixed[0] is con:
-        if not fixed[1]:
-            fixed[1].append(_columns(con))
-        return set(fixed[1][0].get(table, ()))
-    return _columns(con, table).get(table, set())
+    `fixed_store(con)`, from one look-up of every table's columns."""
+    if not _held(con):
+        return _columns(con, table).get(table, set())
+    return set(once(con, "columns", lambda: _columns(con)).get(table, ()))
 
 
 _COLUMNS_SQL = "SELECT table_name, column_name FROM information_schema.columns WHERE table_schema = 'main'"
-_FIXED: contextvars.ContextVar[tuple[duckdb.DuckDBPyConnection, list] | None] = contextvars.ContextVar(
-    "fixed_schema", default=None)
+_FIXED: contextvars.ContextVar[tuple[duckdb.DuckDBPyConnection, dict] | None] = contextvars.ContextVar(
+    "fixed_store", default=None)
 
 
 @contextlib.contextmanager
-def fixed_schema(con: duckdb.DuckDBPyConnection):
-    """Within the block, `table_columns(con, ...)` answers from one look-up of every table's columns, taken at
-    its first call: for a series of queries on a connection whose tables and views do not change meanwhile
-    (`store.units` computing the new steps of a refresh). A look-up costs ~1.5 ms (binding a Parquet view
-    reads its files' footers), and the per-step queries of a refresh made 16 of them."""
-    token = _FIXED.set((con, []))
+def fixed_store(con: duckdb.DuckDBPyConnection):
+    """Within the block, look-ups of the store on `con` (`once`: its tables' columns, its runs) are taken at
+    their first call and reused: for a series of queries on a connection whose store does not change
+    meanwhile (`store.units` computing the new steps of a refresh, on a connection over their files). A
+    look-up costs 1-4 ms (binding a Parquet view reads its files' footers), and the per-step queries of a
+    refresh made 16 of the columns alone."""
+    token = _FIXED.set((con, {}))
     try:
         yield con
     finally:
         _FIXED.reset(token)
+
+
+def _held(con: duckdb.DuckDBPyConnection) -> bool:
+    fixed = _FIXED.get()
+    return fixed is not None and fixed[0] is con
+
+
+def once(con: duckdb.DuckDBPyConnection, key: str, compute: Callable[[], object]):
+    """`compute()`, taken once per `key` inside `fixed_store(con)`, else at each call (the caller must not
+    change what it returns)."""
+    if not _held(con):
+        return compute()
+    memo = _FIXED.get()[1]
+    if key not in memo:
+        memo[key] = compute()
+    return memo[key]
 
 
 def _columns(con: duckdb.DuckDBPyConnection, table: str | None = None) -> dict[str, set[str]]:
@@ -304,7 +318,7 @@ def _one_run(con: duckdb.DuckDBPyConnection, filters: Filters, params: dict) -> 
     column key, without hashing and comparing a run id string a token (~30 % of the join at 10^7)."""
     runs = filters.run_ids
     if runs is None:
-        runs = [r[0] for r in con.execute("SELECT DISTINCT run_id FROM runs").fetchall()]
+        runs = once(con, "runs", lambda: [r[0] for r in con.execute("SELECT DISTINCT run_id FROM runs").fetchall()])
     if len(set(runs)) != 1 or runs[0] is None:
         return ""
     params["one_run"] = runs[0]

@@ -29,7 +29,7 @@ import pandas as pd
 
 from mismatch_lab.analysis import definitions as d
 from mismatch_lab.analysis.precision import token_metrics
-from mismatch_lab.analysis.relations import Filters, empty, table_columns
+from mismatch_lab.analysis.relations import Filters, empty, once, table_columns
 from mismatch_lab.analysis.rows import PRECISION_SUMS, Rows, Thresholds, rollup
 
 METRIC_COLUMNS = ["abs_dp_mean", "abs_dlogp_mean", "kl_k3", "frac_ratio_outside_clip"]
@@ -101,8 +101,9 @@ def step_sequences(con: duckdb.DuckDBPyConnection) -> pd.DataFrame:
 
 
 def _runs_with_sequences(con: duckdb.DuckDBPyConnection) -> list:
-    """The run ids that have sequences on `con`, in order."""
-    return [r for (r,) in con.execute("SELECT DISTINCT run_id FROM sequences ORDER BY run_id").fetchall()]
+    """The run ids that have sequences on `con`, in order (once inside `relations.fixed_store`)."""
+    return once(con, "runs_with_sequences", lambda: [
+        r for (r,) in con.execute("SELECT DISTINCT run_id FROM sequences ORDER BY run_id").fetchall()])
 
 
 STEP_COUNT_COLUMNS = ["step", "n_sequences", "n_tokens", "n_rewarded", "mean_reward", "mean_advantage"]

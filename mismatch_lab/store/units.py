@@ -22,8 +22,8 @@ reused exactly when the rows it reads are the same (up to a collision of the 64-
 against ~1 CPU s for the per-step analysis of every step.
 
 `by_unit(source, results, name)`: the query `name` (`_queries`) on the units whose fingerprint has no cached
-part (computed together, on a connection over those units alone), split by (run_id, step) and cached one unit each
-(`cache.ResultsCache`); the whole table is kept in memory per store and query with the fingerprints it was
+part (computed together, on a connection over those units alone), split by (run_id, step) and cached one entry a
+unit holding every query's part (`cache.ResultsCache`); the whole table is kept in memory per store and query with the fingerprints it was
 built from, so a refresh with k new units reads and concatenates k parts, not all of them. Equal to the query
 on the whole store: each row of these queries is computed from the rows of one (run, step) alone.
 """
@@ -312,7 +312,7 @@ def _queries() -> dict[str, UnitQuery]:
 
 
 _BUILT: dict[tuple[str, str], tuple[dict[Unit, str], pd.DataFrame]] = {}  # (store, query) -> (fingerprints, table)
-_FRESH: dict[str, dict[tuple, pd.DataFrame]] = {}  # store -> (query, unit, fingerprint) -> the parts last computed
+_FRESH: dict[str, dict[tuple, dict]] = {}  # store -> (unit, fingerprint) -> query -> its part: the last computed
 _BUILT_LOCK = threading.Lock()
 
 
@@ -322,7 +322,7 @@ def _unit_keys(frame: pd.DataFrame) -> pd.MultiIndex:
 
 def by_unit(source, results: cache.ResultsCache, name: str) -> pd.DataFrame:
     """The query `name` (`_queries`) of the store of `source` (module doc): parts of unchanged units from memory or the results
-    cache, the others computed on a connection over those units alone and cached one unit each. Where units
+    cache, the others computed on a connection over those units alone and cached one entry a unit. Where units
     are computed, every query of `source.queries` is, on the same connection (the Training page asks for
     each: one connection per refresh, not one per query)."""
     fps = source.fingerprints()
@@ -331,10 +331,7 @@ def by_unit(source, results: cache.ResultsCache, name: str) -> pd.DataFrame:
     if built is not None and built[0] == fps:
         return built[1]
     kept = {u for u, fp in fps.items() if built is not None and built[0].get(u) == fp}
-    with _BUILT_LOCK:
-        fresh = _FRESH.get(source.key, {})
-    parts = {u: fresh.get((name, u, fps[u])) for u in fps if u not in kept}
-    parts = {u: results.get((name, u), fps[u]) if part is None else part for u, part in parts.items()}
+    parts = {u: _part(source, results, name, u, fps[u]) for u in fps if u not in kept}
     todo = sorted(u for u, part in parts.items() if part is cache.MISSING)
     empty = next((p.iloc[:0] for p in [*([built[1]] if built else []), *parts.values()] if p is not cache.MISSING),
                  None)
@@ -354,22 +351,37 @@ def by_unit(source, results: cache.ResultsCache, name: str) -> pd.DataFrame:
 
 def _compute(source, results: cache.ResultsCache, fps: dict[Unit, str], todo: list[Unit], name: str) -> dict:
     """query -> ({unit: its rows}, an empty frame of its columns) for the units `todo`, computed on one
-    connection over them: `name`, and every other query of `source.queries` (cached one unit each)."""
-    from mismatch_lab.analysis.relations import fixed_schema
+    connection over them: `name`, and every other query of `source.queries` (cached one entry a unit)."""
+    from mismatch_lab.analysis.relations import fixed_store
 
     out = {}
-    with source.connection(todo) as con, fixed_schema(con):
+    with source.connection(todo) as con, fixed_store(con):
         for q in dict.fromkeys([name, *source.queries]):
             fresh = _queries()[q].fn(con)
             split = dict(iter(fresh.groupby(_unit_keys(fresh), sort=False))) if len(fresh) else {}
             empty = fresh.iloc[:0]
-            rows = {u: split.get(u, empty).reset_index(drop=True) for u in todo}
-            for unit, part in rows.items():
-                results.put((q, unit), fps[unit], part)
-            out[q] = (rows, empty)
-    with _BUILT_LOCK:  # the other queries' parts, for their `by_unit` of the same refresh (not read back from disk)
-        _FRESH[source.key] = {(q, u, fps[u]): part for q, (rows, _) in out.items() for u, part in rows.items()}
+            out[q] = ({u: split.get(u, empty).reset_index(drop=True) for u in todo}, empty)
+    entries = {u: {q: rows[u] for q, (rows, _) in out.items()} for u in todo}
+    for unit, entry in entries.items():
+        results.put(_entry(source, unit), fps[unit], entry)
+    with _BUILT_LOCK:  # for the other queries' `by_unit` of the same refresh: not read back from disk
+        _FRESH[source.key] = {(u, fps[u]): entry for u, entry in entries.items()}
     return out
+
+
+def _entry(source, unit: Unit) -> tuple:
+    """The results cache's query of one unit's entry: every query of `source.queries` on it (query -> rows)."""
+    return ("units", tuple(source.queries), unit)
+
+
+def _part(source, results: cache.ResultsCache, name: str, unit: Unit, fp: str):
+    """The rows of the query `name` on one unit as of `fp`: just computed, else from the results cache, else
+    MISSING."""
+    with _BUILT_LOCK:
+        entry = _FRESH.get(source.key, {}).get((unit, fp))
+    if entry is None:
+        entry = results.get(_entry(source, unit), fp)
+    return cache.MISSING if entry is cache.MISSING or name not in entry else entry[name]
 
 
 # --- the Training page of a shard store ------------------------------------------------------------------------
@@ -395,9 +407,9 @@ def train_runs(source: ShardUnits, results: cache.ResultsCache) -> pd.DataFrame:
 
 
 def _on(source: ShardUnits, units, fn, *args, **kwargs):
-    from mismatch_lab.analysis.relations import fixed_schema
+    from mismatch_lab.analysis.relations import fixed_store
 
-    with source.connection(units) as con, fixed_schema(con):
+    with source.connection(units) as con, fixed_store(con):
         return fn(con, *args, **kwargs)
 
 
@@ -425,7 +437,7 @@ def list_sequences(source: ShardUnits, results: cache.ResultsCache, run_id: str,
     unit, fps = (run_id, int(step)), source.fingerprints()
     if unit not in fps:
         return _on(source, [], browse.list_sequences, run_id, step=int(step))
-    part = results.get(("sequences", unit), fps[unit])
+    part = _part(source, results, "sequences", unit, fps[unit])
     if part is cache.MISSING:
         part = _compute(source, results, fps, [unit], "sequences")["sequences"][0][unit]
     return part.drop(columns="run_id").reset_index(drop=True)
