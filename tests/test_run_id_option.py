@@ -63,6 +63,7 @@ def test_doctor_with_a_run_id_judges_that_run_as_a_store_holding_it_alone(capsys
     whole = _json(capsys, tmp_path, "doctor", stores["both"])
     value = lambda doc: next(c["value"] for c in doc["checks"] if c["check"] == "abs_dp_mean")
     assert value(got) != pytest.approx(value(whole), rel=1e-6)  # the other run's rows would move the number
+    assert got["run_ids"] == [B] and whole["run_ids"] is None and want["store"] != got["store"]  # which runs
     _same_rows(got["checks"], want["checks"], ("pair", "run_id", "check"), 600)
     assert [a["because"] for a in got["recommendations"]] == [a["because"] for a in want["recommendations"]]
     _same_rows(got["attribution"], want["attribution"], ("rollout", "scorer", "source"), 600)
@@ -89,6 +90,7 @@ def test_a_comma_list_and_the_repeated_option_name_the_same_runs(capsys, tmp_pat
     whole = _json(capsys, tmp_path, "doctor", stores["both"])
     for other in (repeated, whole):
         _same_rows(listed["checks"], other["checks"], ("pair", "run_id", "check"), 600)
+    assert listed["run_ids"] == repeated["run_ids"] == [A, B]
 
 
 @pytest.mark.parametrize("command", ["analyze", "doctor", "corrections"])

@@ -79,13 +79,13 @@ def run(args: argparse.Namespace) -> int:
     store = _probe_store(args)
     con = open_runs(store, run_ids)  # only these runs' rows are measured
     try:
-        dx = diagnose(con, store, args.gate)
+        dx = replace(diagnose(con, store, args.gate), run_ids=run_ids or None)
     finally:
         con.close()
     if args.gate and not any(args.gate in r["gates"] for r in [*dx.checks, *dx.failed]):
         raise UserError(f"--gate {args.gate}: {store} holds nothing its checks measure (no scored tokens); "
                         "pass a store with rollout and scorer log-probs, or probe one with --model")
-    print(text_report(replace(dx, store=f"{store} (--run-id {','.join(run_ids)})") if run_ids else dx))
+    print(text_report(dx))
     if json_path is not None:
         write_json(dx, json_path)
         print(f"wrote {json_path}")

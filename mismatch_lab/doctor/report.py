@@ -3,7 +3,7 @@ one-screen text report, the JSON document (`--json`), the app's table (`doctor_t
 verdict per pair (`pair_verdicts`, `verdict_lines`) with the advice lines (`advice_lines`) that the text
 report, the end of `collect` and the app's Overview all print (`doctor_view` bundles them for the app).
 
-JSON: {"store", "gate", "gate_exit", "checks": [{pair, check, value, band, source, verdict, run_id, title,
+JSON: {"store", "run_ids" (the --run-id filter; null: every run), "gate", "gate_exit", "checks": [{pair, check, value, band, source, verdict, run_id, title,
 metric, gates, detail}], "recommendations": [{rule, advice, because, numbers}], "not_measured": [{check,
 title, needs, pair, gates}]} (pair: null when the store gives the check nothing at all, else the pair the
 store holds but the check got no number for); NaN and ±inf are written as null.
@@ -54,6 +54,7 @@ class Diagnosis:
     exit_code: int = 0
     attribution: list[dict] = field(default_factory=list)
     incomplete: dict[str, list[str]] = field(default_factory=dict)  # pair -> damaged shards its runs were read without
+    run_ids: list[str] | None = None  # the runs judged (`--run-id`); None: every run of the store
 
 
 def diagnose(con: duckdb.DuckDBPyConnection, store: str = "", gate: str | None = None, *,
@@ -110,7 +111,7 @@ def _finite(x):
 
 
 def json_doc(dx: Diagnosis) -> dict:
-    return _finite({"store": dx.store, "gate": dx.gate, "gate_exit": dx.exit_code, "gates": list(GATES),
+    return _finite({"store": dx.store, "run_ids": dx.run_ids, "gate": dx.gate, "gate_exit": dx.exit_code, "gates": list(GATES),
                     "checks": dx.checks, "recommendations": dx.recommendations, "not_measured": dx.not_measured,
                     "attribution": dx.attribution, "incomplete": dx.incomplete})
 
@@ -219,7 +220,7 @@ def _notes(dx: Diagnosis) -> list[str]:
 def text_report(dx: Diagnosis) -> str:
     """The one-screen report: a pair matrix of the framework checks, the other findings, the advice, what
     was not measured, and the gate's result; lines longer than WIDTH wrapped (the matrix never is)."""
-    lines = [f"doctor: {dx.store}"]
+    lines = [f"doctor: {dx.store}" + (f" (--run-id {','.join(dx.run_ids)})" if dx.run_ids else "")]
     lines += [f"  {BY_NAME[g].title}: {BY_NAME[g].band.text} ({BY_NAME[g].band.source})" for g in GATED]
     lines += ["  health: the worst of the weight-health and non-finite checks (verl's illustrative levels)",
               f"  {VERDICT_KEY} (bitwise apart: only bitwise on-policy training needs it)", ""]
