@@ -30,6 +30,7 @@ on the whole store: each row of these queries is computed from the rows of one (
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import threading
@@ -55,8 +56,9 @@ CHECKSUM = {  # table -> the columns hashed per unit of a DuckDB store (module d
 }
 
 ONE_THREAD_BYTES = 32 << 20
-"""Units of fewer bytes than this (their shards) are read on one DuckDB thread (`open_units`): 5 new steps of
-5,000 tokens, 0.14 CPU s for the page's per-step queries against 0.16 s on 2 threads."""
+"""Units of fewer bytes than this (their shards) are read on one DuckDB thread, on a cursor of a database kept
+for the process (`open_units`): 5 new steps of 5,000 tokens, 0.14 CPU s for the page's per-step queries against
+0.16 s on 2 threads of a new connection."""
 Unit = tuple[str, int]
 
 
@@ -195,17 +197,41 @@ def scan(root: str | Path) -> Scan:
 
 
 def open_units(root: str | Path, units, snap: Snapshot | None = None):
-    """A read-only connection on the units (run_id, step) of a shard store only (and its run rows)."""
+    """A read-only connection on the units (run_id, step) of a shard store only (and its run rows): for units
+    of fewer than ONE_THREAD_BYTES a cursor of the process's one-thread database (`_small`), else a connection
+    of its own."""
     from mismatch_lab.store import reader
 
     s = scan(root)
     snap = snap or s.snapshot()
-    con = reader._open_parquet_dir(s.root, s.files(snap, units))
-    con.execute("SET enable_progress_bar = false")
     size = sum(f[1] for u in units for files in snap.units.get(tuple(u), {}).values() for f in files)
-    if size < ONE_THREAD_BYTES:  # a refresh's few new steps: DuckDB's worker threads cost more CPU than they save
-        con.execute("SET threads = 1")
+    on = _small() if size < ONE_THREAD_BYTES else None  # a refresh's few new steps
+    con = reader._open_parquet_dir(s.root, s.files(snap, units), on=on)
+    con.execute("SET enable_progress_bar = false")
     return con
+
+
+_SMALL: list = []  # the process's one-thread database for small units (`_small`), made on first use
+_SMALL_LOCK = threading.Lock()
+
+
+def _small():
+    """A fresh cursor of the process's in-memory database for small units: one DuckDB thread (on a few new
+    steps the worker threads cost more CPU than they save), and no new database a refresh (~20 ms of CPU to
+    open and close). Closed at exit (a DuckDB object alive at interpreter exit is reported as a leak)."""
+    import duckdb
+
+    with _SMALL_LOCK:
+        if not _SMALL:
+            _SMALL.append(duckdb.connect(config={"threads": 1}))
+            atexit.register(_close_small)
+        return _SMALL[0].cursor()
+
+
+def _close_small() -> None:
+    with _SMALL_LOCK:
+        while _SMALL:
+            _SMALL.pop().close()
 
 
 # --- sources of units: a shard store, a DuckDB store's open connection ----------------------------------------
