@@ -370,6 +370,28 @@ def test_every_training_look_up_per_unit_equals_the_whole_store_query_as_a_run_g
     assert states[0][0][0].set_index("run_id").loc["live", "status"] == "running"
 
 
+def test_a_refresh_of_a_few_new_steps_opens_no_database_and_looks_up_the_columns_once(tmp_path, monkeypatch):
+    import duckdb
+
+    from mismatch_lab.analysis import relations
+
+    path, results = tmp_path / "live", cache.ResultsCache(tmp_path / "live")
+    with _recorder(path) as rec:
+        for step in range(3):
+            _log(rec, step, step)
+        units.step_series(units.ShardUnits(path), results)  # the first load (may make the process's database)
+        for step in (3, 4):
+            _log(rec, step, step)
+        opened, looked_up = [], []
+        connect, columns = duckdb.connect, relations._columns
+        monkeypatch.setattr(duckdb, "connect", lambda *a, **k: opened.append(a) or connect(*a, **k))
+        monkeypatch.setattr(relations, "_columns", lambda con, table=None: looked_up.append(table) or columns(con, table))
+        shown = units.step_series(units.ShardUnits(path), results)  # every per-step query of the new steps
+    assert shown["step"].unique().tolist() == [0, 1, 2, 3, 4]
+    assert opened == []  # a cursor of the process's one-thread database (~20 ms of CPU a new one)
+    assert looked_up == [None]  # every table's columns at once, for the refresh's 4 queries (were 16 look-ups)
+
+
 def test_a_scan_lists_again_only_the_folders_a_writer_changed(tmp_path, monkeypatch):
     path = tmp_path / "live"
     with _recorder(path) as rec:
