@@ -1,7 +1,8 @@
-"""First load of each app page in real Chromium, on the 1-million-token study of bench_app.py.
+"""First load and interactions of each app page in real Chromium, on the 1-million-token study of bench_app.py.
 
     .venv/bin/python benchmarks/bench_app_browser.py                 # every page, Parquet study
     .venv/bin/python benchmarks/bench_app_browser.py --pages corrections overview --store X
+    .venv/bin/python benchmarks/bench_app_browser.py --interactions-only   # --prepare, then the interactions
 
 The code measured is that of a commit (`--commit`, default HEAD: commit first), extracted under benchmarks/out/.
 First `mismatch-lab app --prepare` fills the study's results cache (mismatch_lab/store/cache.py; wall and CPU
@@ -16,7 +17,18 @@ fresh headless Chromium context (no cached assets), then
 Each with the server's CPU seconds over that load (user + system, /proc/PID/stat): the machine is shared, so
 wall seconds say more about the load than about the app. `--cold` also runs every page without any disk cache
 (MISMATCH_LAB_CACHE=0: everything computed on first demand). Then one more server for a `tour`: every page in
-turn in one session. Last, the `refresh` figure: a Recorder writes a run of M steps into a shard store, the
+turn in one session. Interactions (on by default, `--no-interactions` skips them; `--interactions-only` runs
+them alone): on one server with the results cache filled by `--prepare`, per page a fresh browser context
+loads the page once, then makes in turn what a user does there (INTERACTIONS: the pair, bucket controls,
+category filters, sliders, the inspector's sequence, scorer and colour, the Corrections split, method and
+threshold override, the buttons that open another page), the server idle (warm-up done) before each. Each is
+timed from the widget's change (the Playwright click or key press; opening a drop-down or filling a form's
+field is not timed) until the server has sent the script run's end (the websocket's ForwardMsg
+`script_finished`) and the page shows its result (no stale element left, no "Running", every chart drawn,
+the affected text shown), with the server's CPU seconds over the same span. The Training page's step picker
+and the inspector's step list run on a Recorder's run of 200 steps (1 M tokens, written once under
+benchmarks/out/app-steps-store). Printed as a table (page, interaction, wall s, server CPU s) and the slowest
+per page; in the JSON under "interactions". Last, the `refresh` figure: a Recorder writes a run of M steps into a shard store, the
 Training page is loaded (every step computed), reloaded with no change (the fixed cost), N more steps are
 written, the page is reloaded (only the new steps computed): wall and server CPU of the refresh against the full
 load and the fixed cost, in the same run (that server runs without the warm-up thread, whose whole-store analyses
@@ -54,6 +66,7 @@ PAGES = {
     "figures": ("figures", "Figures"),
 }
 TIMEOUT_MS = 300_000
+ACT_TIMEOUT_MS = 30_000  # an interaction that takes longer has failed
 REPEATS = 3  # the refresh figure's reloads, each measured this many times (medians)
 
 
@@ -221,12 +234,307 @@ def refresh(browser, folder: Path, log: Path, env: dict, m: int, n: int, tokens:
     return out
 
 
+# ---- interactions on a warm server ---------------------------------------------------------------------------
+# A Streamlit script run has ended when the server sends a ForwardMsg `script_finished` with one of these
+# statuses (FINISHED_SUCCESSFULLY, FINISHED_FRAGMENT_RUN_SUCCESSFULLY; not FINISHED_EARLY_FOR_RERUN: a run that a
+# rerun replaced, as st.switch_page does before the new page's run).
+FINISHED = (0, 3)
+# ... and its result is on screen when no element of the previous run is left stale, the status widget no
+# longer says "Running", every chart has been drawn (vega-embed adds its canvas or svg) and the element the change
+# affects (a text it draws; the page's last section by default) is shown.
+SHOWN = """(text) => {
+  const status = document.querySelector('[data-testid="stStatusWidget"]');
+  if (status && status.innerText.includes('Running')) return false;
+  if (document.querySelector('[data-testid="stElementContainer"][data-stale="true"]')) return false;
+  for (const chart of document.querySelectorAll('[data-testid="stVegaLiteChart"]'))
+    if (!chart.querySelector('canvas, svg')) return false;
+  return document.body.innerText.includes(text);
+}"""
+QUIET_CPU_S = 0.02  # the server counts as idle (warm-up done) once it spends at most this much CPU in QUIET_S
+QUIET_S = 0.5
+
+
+def widget(page, testid: str, label: str):
+    """The first visible widget of a kind (its data-testid) whose text holds `label`."""
+    return page.get_by_test_id(testid).filter(has_text=label).filter(visible=True).first
+
+
+def option(page, index: int):
+    return page.get_by_role("option").filter(visible=True).nth(index)
+
+
+class Act:
+    """One interaction: `ready` (not timed: open a drop-down, fill a form's field), then `change` (timed: the
+    click or key press that sets the widget's new value), then the wait until `shows` is on screen."""
+
+    def __init__(self, name: str, change, ready=None, shows: str | None = None):
+        self.name, self.change, self.ready, self.shows = name, change, ready, shows
+
+
+def pick(name: str, label: str, index: int, shows: str | None = None) -> Act:
+    """Choose the option at `index` of a select box."""
+    def ready(p):
+        box = widget(p, "stSelectbox", label)
+        box.scroll_into_view_if_needed()  # (a box opened below the fold showed no options)
+        box.get_by_label("Open").click()
+        option(p, index).wait_for()
+
+    return Act(name, lambda p: option(p, index).click(), ready=ready, shows=shows)
+
+
+def radio(name: str, label: str, choice: str, shows: str | None = None) -> Act:
+    return Act(name, lambda p: widget(p, "stRadio", label).get_by_text(choice, exact=True).click(), shows=shows)
+
+
+def untag(name: str, label: str, tag: str, shows: str | None = None) -> Act:
+    """Remove one chosen value of a multiselect (its tag's cross)."""
+    return Act(name, lambda p: widget(p, "stMultiSelect", label).get_by_label(f"Remove {tag}").click(), shows=shows)
+
+
+def add_tag(name: str, label: str, text: str, shows: str | None = None) -> Act:
+    """Add a value to a multiselect: its text typed (not timed), then Enter."""
+    def ready(p):
+        widget(p, "stMultiSelect", label).locator("input").click()
+        p.keyboard.type(text)
+        option(p, 0).wait_for()
+
+    return Act(name, lambda p: p.keyboard.press("Enter"), ready=ready, shows=shows)
+
+
+def key(name: str, label: str, press: str, shows: str | None = None) -> Act:
+    """One key on a slider's thumb (the value moves one step; Streamlit sends it after its 200 ms debounce)."""
+    return Act(name, lambda p: p.keyboard.press(press), shows=shows,
+               ready=lambda p: widget(p, "stSlider", label).locator("input[type=range]").focus())
+
+
+def apply(name: str, fill, shows: str | None = None) -> Act:
+    """Set a form's fields (not timed: a form sends nothing before its submit), then click its Apply button."""
+    return Act(name, lambda p: widget(p, "stFormSubmitButton", "Apply").click(), ready=fill, shows=shows)
+
+
+def press(name: str, button: str, shows: str | None = None) -> Act:
+    return Act(name, lambda p: p.get_by_role("button", name=button).filter(visible=True).first.click(), shows=shows)
+
+
+def _fill(label: str, value: str, testid: str = "stNumberInput"):
+    return lambda p: widget(p, testid, label).locator("input").fill(value)
+
+
+def _slider_keys(label: str, *keys: str):
+    def ready(p):
+        widget(p, "stSlider", label).locator("input[type=range]").focus()
+        for k in keys:
+            p.keyboard.press(k)
+
+    return ready
+
+
+def _overrides(text: str):
+    def ready(p):
+        if not widget(p, "stTextInput", "Overrides").is_visible():
+            widget(p, "stExpander", "Threshold overrides").locator("summary").click()
+        _fill("Overrides", text, "stTextInput")(p)
+
+    return ready
+
+
+# page -> what a user does there, in order, in one session after the page's first load (the benchmark study:
+# bench_app.py's)
+INTERACTIONS = {
+    "overview": [press("reload data (sidebar button: memory caches emptied)", "Reload data", "Precision table")],
+    "volatility": [
+        pick("pair: second", "Pair (rollout", 1),
+        apply("μ buckets: log (Apply)", lambda p: widget(p, "stRadio", "μ buckets").get_by_text("log").click()),
+        apply("buckets: 10 (Apply)", _slider_keys("Buckets", "Home", *["ArrowRight"] * 5)),
+        apply("ε low 0.1 (Apply)", _fill("ε low", "0.10"), shows="[1 − 0.1, 1 +"),
+        pick("pair: first", "Pair (rollout", 0),
+    ],
+    "clipping": [
+        pick("pair: second", "Pair (rollout", 1),
+        untag("categories: drop number", "Token categories", "number"),
+        add_tag("categories: add number back", "Token categories", "number"),
+        radio("tokens: positive advantage", "Tokens", "positive advantage"),
+        key("top tokens slider: +1", "How many token strings", "ArrowRight"),
+    ],
+    "corrections": [
+        pick("pair: second", "Pair (rollout", 1),
+        radio("tokens: by category", "Tokens", "token categories", shows="Token categories"),
+        untag("categories: drop number", "Token categories", "number"),
+        radio("tokens: advantage sign", "Tokens", "advantage sign", shows="Advantage sign"),
+        radio("tokens: all", "Tokens", "all tokens of the pair"),
+        pick("dropping method: second", "Method", 1),
+        pick("dropped sequence: second", "Sequence", 1),
+        apply("threshold override seq_mis.cap=2 (Apply)", _overrides("seq_mis.cap=2"), shows="Overrides applied"),
+        apply("threshold override cleared (Apply)", _overrides("")),
+        press("open the sequence in the inspector (button)", "in the token inspector", "Cumulative log-ratio"),
+    ],
+    "inspector": [
+        pick("sequence: second", "Sequence", 1),
+        radio("colour by ratio", "Colour tokens by", "ratio"),
+        radio("colour by mask decision", "Colour tokens by", "mask decision"),
+        pick("token: another", "Token (defaults", 2),
+        pick("scorer: second", "Scorer (π)", 1),
+        pick("run: second", "Run", 1),
+        radio("worst sequences", "Pick a sequence", "Worst sequences by max |Δp|", shows="Worst 50 sequences"),
+        pick("worst under another scorer", "|Δp| under scorer", 1),
+        pick("worst: second sequence", "Worst 50 sequences", 1),
+    ],
+    "training": [add_tag("metrics: add actor/pg_clipfrac (a 2,000-step curve)", "Metrics (slash", "actor/pg")],
+    "figures": [],  # (the page has no widget: it draws the study's figures)
+}
+RECORDED = {  # on the recorded run of steps_store(): the step pickers
+    "training": [
+        add_tag("per-step metric: add |Δlogp|", "Per-step metrics", "|log π"),
+        key("step slider: one back", "Step", "ArrowLeft"),
+        press("open the step in the inspector (button)", "in the token inspector", "Cumulative log-ratio"),
+        pick("inspector: another training step", "Training step", 2, "Cumulative log-ratio"),
+    ],
+}
+
+
+def _finished(payload) -> bool:
+    """Whether a websocket frame from the server is the end of a script run (FINISHED)."""
+    from streamlit.proto.ForwardMsg_pb2 import ForwardMsg
+
+    if isinstance(payload, str):
+        return False
+    msg = ForwardMsg.FromString(payload)
+    return msg.WhichOneof("type") == "script_finished" and msg.script_finished in FINISHED
+
+
+def quiet(pid: int, limit_s: float = 120.0) -> None:
+    """Wait (at most limit_s) until the server is idle: its warm-up done, no script running."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        c0 = cpu_seconds(pid)
+        time.sleep(QUIET_S)
+        if cpu_seconds(pid) - c0 <= QUIET_CPU_S:
+            return
+
+
+def timed(page, socket, pid: int, act: Act, default: str) -> tuple[float, float]:
+    """(wall s, server CPU s) from the change until its script run has ended and its result is on screen."""
+    c0, t0 = cpu_seconds(pid), time.perf_counter()
+    with socket.expect_event("framereceived", predicate=_finished, timeout=ACT_TIMEOUT_MS):
+        act.change(page)
+    page.wait_for_function(SHOWN, arg=act.shows or default, timeout=ACT_TIMEOUT_MS, polling="raf")
+    wall, cpu = time.perf_counter() - t0, cpu_seconds(pid) - c0
+    boxes = page.locator('[data-testid="stException"]')
+    if boxes.count():
+        raise SystemExit(f"{act.name}: the page raised: {boxes.first.inner_text()[:1000]}")
+    return wall, cpu
+
+
+def interactions(browser, store: Path, log: Path, env: dict, plan: dict[str, list[Act]], label: str) -> list[dict]:
+    """On one server (results cache of `env`), per page of `plan`: its interactions (`page_interactions`)."""
+    rows = []
+    proc, url = serve(store, log, env)
+    try:
+        for name, acts in plan.items():
+            rows += [{"store": label, "page": name, **row} for row in page_interactions(browser, url, proc.pid, name,
+                                                                                          acts)]
+    finally:
+        stop(proc)
+    return rows
+
+
+def page_interactions(browser, url: str, pid: int, name: str, acts: list[Act]) -> list[dict]:
+    """A fresh browser context, the page's first load (not timed here), then each interaction in turn, timed,
+    the server idle before each."""
+    if not acts:
+        return []
+    rows, sockets = [], []
+    context = browser.new_context(viewport={"width": 1400, "height": 1000})
+    page = context.new_page()
+    page.on("websocket", lambda ws: sockets.append(ws))
+    load(page, url, name)
+    for act in acts:
+        quiet(pid)
+        if act.ready:
+            act.ready(page)
+        wall, cpu = timed(page, sockets[-1], pid, act, PAGES[name][1])
+        rows.append({"interaction": act.name, "wall_s": wall, "server_cpu_s": cpu})
+        print(f"interaction {name:12s} {act.name:55s} {wall:6.2f} s (server CPU {cpu:5.2f} s)", flush=True)
+    context.close()
+    return rows
+
+
+def steps_store(folder: Path, m: int = 200, tokens: int = 1_000_000) -> Path:
+    """A Recorder's run of m steps (`tokens` in all, as the refresh figure's) in a shard store: the Training
+    page's step picker and the inspector's step list need sequences that carry a step. Written once, kept."""
+    from mismatch_lab.record import Recorder
+
+    done = folder.with_name(folder.name + ".complete")
+    if not done.exists():
+        shutil.rmtree(folder, ignore_errors=True)
+        t0 = time.perf_counter()
+        with Recorder(folder, "recorded", framework="verl", rollout_engine="vllm", rollout_dtype="bf16") as rec:
+            _log_steps(rec, range(m), 16, max(1, tokens // (m * 16)))
+        done.touch()
+        print(f"recorded run of {m} steps written to {folder} in {time.perf_counter() - t0:.1f} s", flush=True)
+    return folder
+
+
+def print_interactions(rows: list[dict]) -> None:
+    print(f"\n{'page':12s} {'interaction':55s} {'wall s':>7s} {'server CPU s':>13s}")
+    for r in rows:
+        print(f"{r['page']:12s} {r['interaction']:55s} {r['wall_s']:7.2f} {r['server_cpu_s']:13.2f}")
+    for page in dict.fromkeys(r["page"] for r in rows):
+        worst = max((r for r in rows if r["page"] == page), key=lambda r: r["wall_s"])
+        print(f"slowest on {page}: {worst['interaction']} {worst['wall_s']:.2f} s (server CPU "
+              f"{worst['server_cpu_s']:.2f} s)")
+
+
 def stop(proc: subprocess.Popen) -> None:
     proc.terminate()
     try:
         proc.wait(timeout=30)
     except subprocess.TimeoutExpired:
         proc.kill()
+
+
+def tour(browser, store: Path, log: Path, env: dict) -> dict:
+    """Every page in turn in one session of one server: (wall s, server CPU s) of each load."""
+    out = {}
+    proc, url = serve(store, log, env)
+    try:
+        page = browser.new_context(viewport={"width": 1400, "height": 1000}).new_page()
+        for name in PAGES:
+            out[name] = load(page, url, name, pid=proc.pid)
+            print(f"tour {name:12s} {out[name][0]:6.2f} s (CPU {out[name][1]:5.2f} s)", flush=True)
+    finally:
+        stop(proc)
+    return out
+
+
+def run_interactions(browser, store: Path, names: list[str], log: Path, env: dict) -> list[dict]:
+    """INTERACTIONS of the chosen pages on the study, then RECORDED's on the recorded run of steps_store()."""
+    rows = interactions(browser, store, log, env, {n: INTERACTIONS[n] for n in names}, "study")
+    recorded = {n: acts for n, acts in RECORDED.items() if n in names}
+    if recorded:
+        rows += interactions(browser, steps_store(OUT / "app-steps-store"), log, env, recorded, "recorded run")
+    print_interactions(rows)
+    return rows
+
+
+def measure(browser, args, log: Path, cached: dict) -> dict:
+    """What the options ask for, in this order: first loads, interactions, cold first loads, tour, refresh."""
+    report = {}
+    if not args.interactions_only:
+        report["pages"] = pages(browser, args.store, args.pages, log, cached, "cached")
+    if not args.no_interactions:
+        report["interactions"] = run_interactions(browser, args.store, args.pages, log, cached)
+    if args.interactions_only:
+        return report
+    if args.cold:
+        report["cold"] = pages(browser, args.store, args.pages, log, {**cached, "MISMATCH_LAB_CACHE": "0"}, "cold")
+    if not args.no_tour:
+        report["tour"] = tour(browser, args.store, log, cached)
+    if args.refresh[0]:
+        # warm-up off: its whole-store analyses in the background would be counted in the server's CPU
+        report["refresh"] = refresh(browser, OUT / "app-live-store", log, cached | {"MISMATCH_LAB_APP_WARMUP": "0"},
+                                    *args.refresh, tokens=1_000_000)
+    return report
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -237,6 +545,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pages", nargs="+", choices=list(PAGES), default=list(PAGES))
     parser.add_argument("--no-tour", action="store_true")
     parser.add_argument("--cold", action="store_true", help="also every page without a disk cache")
+    parser.add_argument("--no-interactions", action="store_true", help="skip the interactions")
+    parser.add_argument("--interactions-only", action="store_true",
+                        help="only the interactions (after --prepare): no first loads, tour or refresh")
+    parser.add_argument("--reuse-cache", action="store_true",
+                        help="keep the results cache of the last run (no --prepare: only for the same commit)")
     parser.add_argument("--commit", default="HEAD", help="the commit whose apps/ and mismatch_lab/ are measured")
     parser.add_argument("--refresh", nargs=2, type=int, default=[200, 5], metavar=("M", "N"),
                         help="the refresh figure: a run of M steps, then N new ones (0 0: skip)")
@@ -249,32 +562,15 @@ def main(argv: list[str] | None = None) -> int:
     code = snapshot(args.commit)
     print(f"code: {args.commit} extracted to {code}", flush=True)
     cached = {"MISMATCH_LAB_CACHE": str(OUT / "app-results-cache"), "PYTHONPATH": str(code)}
-    shutil.rmtree(cached["MISMATCH_LAB_CACHE"], ignore_errors=True)
     load0, report = os.getloadavg(), {}
     report["commit"] = code.name.removeprefix("app-code-")
-    report["prepare"] = prepare(args.store, cached)
-    print(f"prepare: {report['prepare']['wall_s']:.1f} s, CPU {report['prepare']['cpu_s']:.1f} s", flush=True)
+    if not args.reuse_cache:
+        shutil.rmtree(cached["MISMATCH_LAB_CACHE"], ignore_errors=True)
+        report["prepare"] = prepare(args.store, cached)
+        print(f"prepare: {report['prepare']['wall_s']:.1f} s, CPU {report['prepare']['cpu_s']:.1f} s", flush=True)
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=FLAGS)
-        report["pages"] = pages(browser, args.store, args.pages, log, cached, "cached")
-        if args.cold:
-            report["cold"] = pages(browser, args.store, args.pages, log, {**cached, "MISMATCH_LAB_CACHE": "0"}, "cold")
-        if not args.no_tour:
-            report["tour"] = {}
-            proc, url = serve(args.store, log, cached)
-            try:
-                page = browser.new_context(viewport={"width": 1400, "height": 1000}).new_page()
-                for name in PAGES:
-                    report["tour"][name] = load(page, url, name, pid=proc.pid)
-                    print(f"tour {name:12s} {report['tour'][name][0]:6.2f} s (CPU {report['tour'][name][1]:5.2f} s)",
-                          flush=True)
-            finally:
-                stop(proc)
-        if args.refresh[0]:
-            # warm-up off: its whole-store analyses in the background would be counted in the server's CPU
-            report["refresh"] = refresh(browser, OUT / "app-live-store", log, cached | {"MISMATCH_LAB_APP_WARMUP": "0"},
-                                        *args.refresh,
-                                        tokens=1_000_000)
+        report |= measure(browser, args, log, cached)
         browser.close()
     load1 = os.getloadavg()
     report |= {"cpu": cpu_model(), "cores": os.cpu_count(), "load": [load0[0], load1[0]], "store": str(args.store),

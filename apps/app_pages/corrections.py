@@ -9,6 +9,7 @@ each one click away from the token inspector.
 """
 
 import altair as alt
+import lab_select
 import lab_ui
 import numpy as np
 import pandas as pd
@@ -218,6 +219,7 @@ st.caption(
     f"{method} drops {len(tokens):,} of {n_tokens:,} tokens in {len(seqs):,} sequences "
     f"({int(seqs['seq_dropped'].sum()):,} dropped whole). Sequences dropped whole first, then by tokens dropped."
 )
+lab_select.follow("corr_seq", [(r, int(q)) for r, q in zip(seqs["run_id"], seqs["seq_id"])])  # (its list changes)
 lab_ui.keep_valid("corr_seq", list(range(len(seqs))))
 i = st.selectbox(
     "Sequence",

@@ -5,6 +5,7 @@ max |Δp|. Below the coloured response: the detail of one token (its text, μ, �
 entropy, top-K) and the sequence's cumulative log-ratio track.
 """
 
+import lab_select
 import lab_ui
 import pandas as pd
 import streamlit as st
@@ -34,6 +35,7 @@ if mode == WORST:
     if worst.empty:
         st.info("No scored tokens yet, so there is no |Δp| to rank sequences by.")
         st.stop()
+    lab_select.follow("insp_worst_pick", [(r, int(q)) for r, q in zip(worst["run_id"], worst["seq_id"])])
     pick = right.selectbox(
         f"Worst {lab_ui.WORST_N} sequences",
         range(len(worst)),
