@@ -26,6 +26,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # (~25 s per engine with an empty compile cache). This flag, vLLM's own for its CPU CI, keeps the dynamo trace but
 # runs it with the eager backend, as our engines run (enforce_eager). It changes only how fast the engine starts.
 os.environ.setdefault("VLLM_CPU_CI_ENV", "1")
+# One intra-op thread per xdist worker (and per child process it starts): with two workers on two cores, two
+# threads each made every torch op wait on a thread the other worker had descheduled (an HF forward and
+# backward pair measured 2.3x slower than with one thread each). Set before torch is first imported; torch
+# then keeps it (an in-process vLLM engine turns torch.set_num_threads into a no-op).
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 DURATIONS = Path(__file__).with_name("durations.txt")  # seconds per test file, from scripts/test_durations.py
 
