@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import itertools
 import os
 import threading
 import time
@@ -367,12 +368,31 @@ def by_unit(source, results: cache.ResultsCache, name: str) -> pd.DataFrame:
         empty = fresh[name][1]
     old = (empty if not kept else built[1] if len(kept) == len(built[0])  # only new units: keep the whole table
            else built[1][_unit_keys(built[1]).isin(list(kept))])
-    found = [old, *(p for p in parts.values() if len(p))]
+    order = list(_queries()[name].order)
+    found = [old, *(parts[u] for u in sorted(parts) if len(parts[u]))]
     out = pd.concat(found, ignore_index=True) if len(found) > 1 else found[0].reset_index(drop=True)
-    out = out.sort_values(list(_queries()[name].order), kind="stable").reset_index(drop=True)
+    if not _in_order(found, order):
+        out = out.sort_values(order, kind="stable").reset_index(drop=True)
     with _BUILT_LOCK:
         _BUILT[(source.key, name)] = (fps, out)
     return out
+
+
+def _in_order(frames: list[pd.DataFrame], order: list[str]) -> bool:
+    """Whether `frames` one after the other are sorted by `order` (a stable sort would keep them as they are):
+    the first is the kept table (sorted), the others a refresh's new parts, which usually come after it.
+    Sorting the whole table instead took ~3 ms a look-up on 205 steps."""
+    kept, *parts = frames
+    last = tuple(kept[order].iloc[-1]) if len(kept) else None
+    try:
+        for part in (p for p in parts if len(p)):
+            keys = list(zip(*(part[c].tolist() for c in order)))
+            if last is not None and keys[0] < last or any(b < a for a, b in itertools.pairwise(keys)):
+                return False
+            last = keys[-1]
+    except TypeError:  # a NULL key (None against a str): let the sort place it
+        return False
+    return True
 
 
 def _compute(source, results: cache.ResultsCache, fps: dict[Unit, str], todo: list[Unit], name: str) -> dict:
