@@ -11,8 +11,8 @@ import streamlit as st
 
 def follow(key: str, ids: list) -> None:
     """Before the select box `key` over positions of `ids` (hashable identities of its options, in order):
-    when `ids` differs from the last run's, move the remembered position to its item's new one, or drop it
-    (the box shows its first option) when the item is gone."""
+    when `ids` differs from the last run's, move the remembered position to its item's new one, or to the first
+    option when the item is gone."""
     seen = st.session_state.get(f"{key}:ids")
     st.session_state[f"{key}:ids"] = ids
     if seen is None or seen == ids or key not in st.session_state:
@@ -21,5 +21,7 @@ def follow(key: str, ids: list) -> None:
     item = seen[at] if isinstance(at, int) and 0 <= at < len(seen) else None
     if item is not None and item in ids:
         st.session_state[key] = ids.index(item)
+    elif ids:  # set, not deleted: the browser keeps the label it last sent and would send it again
+        st.session_state[key] = 0
     else:
         del st.session_state[key]
