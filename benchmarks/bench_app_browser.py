@@ -212,7 +212,7 @@ def refresh(browser, folder: Path, log: Path, env: dict, m: int, n: int, tokens:
                 for k in (0, 1, n):
                     _log_steps(rec, range(written, written + k), batch, length)
                     written += k
-                    time.sleep(1.0)  # past the page's fingerprint memo (lab_ui.FINGERPRINT_S)
+                    time.sleep(1.0)  # past the page's fingerprint memo (lab_cache.FINGERPRINT_S)
                     loads[k].append(load(page, url, "training", reload=True, pid=proc.pid))
         finally:
             stop(proc)
