@@ -391,7 +391,17 @@ def _warm(path: str) -> None:
         volatility_of(pair.rollout, pair.scorer, "log", path=path)
     for scorer in sorted(set(pairs["scorer"])):
         worst_of(scorer, path=path)
-    corrections_of(path)
+    tables = corrections_of(path)
+    if tables is not None:  # per pair, the tokens the Corrections page lists at a pair change: those its first
+        # dropping method drops, and those any other pair's first drops (the page keeps a method across pairs)
+        from mismatch_lab.corrections import dropped
+
+        main = tables["corrections"]
+        by_pair = main[(main["note"] == "") & (main["frac_tokens_masked"] > 0)].groupby(["rollout", "scorer"])
+        firsts = set(by_pair["method"].first())
+        for (rollout, scorer), rows in by_pair:
+            for method in dict.fromkeys([rows["method"].iloc[0], *(m for m in rows["method"] if m in firsts)]):
+                _call(path, dropped.dropped_tokens, method, rollout, scorer, overrides=None)
 
 
 def prepare(path: str):
