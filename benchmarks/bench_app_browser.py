@@ -28,7 +28,8 @@ field is not timed) until the server has sent the script run's end (the websocke
 the affected text shown), with the server's CPU seconds over the same span. The Training page's step picker
 and the inspector's step list run on a Recorder's run of 200 steps (1 M tokens, written once under
 benchmarks/out/app-steps-store). Printed as a table (page, interaction, wall s, server CPU s) and the slowest
-per page; in the JSON under "interactions". Last, the `refresh` figure: a Recorder writes a run of M steps into a shard store, the
+per page; in the JSON under "interactions". `--reuse-cache` skips `--prepare` and keeps the last run's results
+cache (what that run computed is then cached: for trying a selector, not for figures). Last, the `refresh` figure: a Recorder writes a run of M steps into a shard store, the
 Training page is loaded (every step computed), reloaded with no change (the fixed cost), N more steps are
 written, the page is reloaded (only the new steps computed): wall and server CPU of the refresh against the full
 load and the fixed cost, in the same run (that server runs without the warm-up thread, whose whole-store analyses
@@ -476,9 +477,10 @@ def steps_store(folder: Path, m: int = 200, tokens: int = 1_000_000) -> Path:
 
 
 def print_interactions(rows: list[dict]) -> None:
-    print(f"\n{'page':12s} {'interaction':55s} {'wall s':>7s} {'server CPU s':>13s}")
+    print(f"\n{'page':12s} {'interaction':70s} {'wall s':>7s} {'server CPU s':>13s}")
     for r in rows:
-        print(f"{r['page']:12s} {r['interaction']:55s} {r['wall_s']:7.2f} {r['server_cpu_s']:13.2f}")
+        where = "" if r["store"] == "study" else f" ({r['store']})"
+        print(f"{r['page']:12s} {r['interaction'] + where:70s} {r['wall_s']:7.2f} {r['server_cpu_s']:13.2f}")
     for page in dict.fromkeys(r["page"] for r in rows):
         worst = max((r for r in rows if r["page"] == page), key=lambda r: r["wall_s"])
         print(f"slowest on {page}: {worst['interaction']} {worst['wall_s']:.2f} s (server CPU "
