@@ -26,22 +26,20 @@ def dropped_tokens(con, method: str, rollout: str, scorer: str, *,
     dropped). Empty when the pair has no finite token, or when the method needs top-K lists the pair lacks
     (the comparison has no numbers for it either). ValueError for an unknown method or parameter."""
     from mismatch_lab.corrections.compare import _run, variants
-    from mismatch_lab.corrections.layout import _joined, chunks, pair_info
+    from mismatch_lab.corrections.layout import chunks, pair_info
 
     by_label = {v.label: v for v in variants(overrides)}
     if method not in by_label:
         raise ValueError(f"no method named {method!r}; methods: {', '.join(by_label)}")
     v = by_label[method]
-    info = pair_info(con)
-    info = info[(info["rollout"] == rollout) & (info["scorer"] == scorer)].reset_index(drop=True)
+    info = pair_info(con, (rollout, scorer))
     empty = pd.DataFrame({c: pd.Series(dtype=t) for c, t in
                           zip(COLUMNS, ("object", "int64", "int64", "float64", "bool"))})
     if info.empty or ("topk" in v.method.needs and not bool(info["has_topk"].iloc[0])):
         return empty
-    # the keys of the tokens chunks() lays out, in the same order (unique within a pair: ORDER BY is total)
-    keys = con.sql(f"SELECT run_id, seq_id, pos FROM ({_joined(con, False)}) WHERE finite AND rollout = $r "
-                   "AND scorer = $s ORDER BY run_id, seq_id, pos", params={"r": rollout, "s": scorer}).df()
-    parts, offset = [], 0
+    parts = []
+    # only the top-K rules read the top-K lists (batch.py): the others' rows are read without them
+    info = info.assign(has_topk=info["has_topk"] & ("topk" in v.method.needs))
     for chunk in chunks(con, info, chunk_tokens=chunk_tokens):
         # each token its own group: the per-group masked count is the token's own mask, in flat order
         seqs = np.zeros(len(chunk.seq_start), dtype=np.int64)
@@ -50,13 +48,11 @@ def dropped_tokens(con, method: str, rollout: str, scorer: str, *,
         kept_any = np.logical_or.reduceat(keep, chunk.seq_start)
         seq_dropped = np.repeat(~kept_any, chunk.lengths)
         hit = np.flatnonzero(~keep)
-        part = keys.iloc[offset + hit].reset_index(drop=True)
+        # the keys of the dropped tokens, from the rows the chunk was laid out from
+        part = chunk.rows.select(["run_id", "seq_id", "pos"]).take(hit).to_pandas()
         part["log_ratio"] = (chunk.lpi - chunk.lmu)[hit]
         part["seq_dropped"] = seq_dropped[hit]
         parts.append(part)
-        offset += chunk.n
-    if offset != len(keys):  # the two reads disagree: a store changed between them
-        raise RuntimeError(f"read {offset} tokens of {rollout} vs {scorer} but {len(keys)} keys")
     out = pd.concat(parts, ignore_index=True) if parts else empty
     return out.astype({"seq_id": "int64", "pos": "int64", "seq_dropped": "bool"})[COLUMNS]
 

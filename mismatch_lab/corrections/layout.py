@@ -52,22 +52,24 @@ def _joined(con, topk: bool) -> str:
                    FROM sequences q) a ON a.run_id = t.run_id AND a.seq_id = t.seq_id"""
 
 
-def pair_info(con) -> pd.DataFrame:
+def pair_info(con, pair: tuple[str, str] | None = None) -> pd.DataFrame:
     """One row per (rollout, scorer): n_tokens (finite), n_nonfinite, has_topk (every finite token carries
     equal-length top-K lists on both sides), advantage_source ('advantage', 'reward minus group mean',
-    'none (two-sided)', or several joined by ' + ')."""
+    'none (two-sided)', or several joined by ' + '). `pair` (rollout, scorer): that pair's row only (none if
+    the store lacks it), read without scanning the other pairs."""
     topk = {"topk_ids_rollout", "topk_logps_rollout"} <= table_columns(con, "tokens") and (
         "logps_at_rollout_topk" in table_columns(con, "scores"))
     # the sampled token's id decides whether it joins the slots: without it the top-K sums are not defined
     ok = ("coalesce(token_id IS NOT NULL AND len(k_ids) > 0 AND len(k_mu) = len(k_ids) AND len(k_pi) = len(k_ids) "
           "AND list_count(k_mu) = len(k_ids) AND list_count(k_pi) = len(k_ids), false)") if topk else "false"
+    where, params = ("WHERE rollout = $r AND scorer = $s", {"r": pair[0], "s": pair[1]}) if pair else ("", {})
     return con.execute(f"""
         SELECT rollout, scorer, count(*) FILTER (WHERE finite) AS n_tokens,
                count(*) FILTER (WHERE NOT finite) AS n_nonfinite,
                coalesce(bool_and({ok}) FILTER (WHERE finite), false) AS has_topk,
                string_agg(DISTINCT coalesce(adv_source, 'none (two-sided)'), ' + '
                           ORDER BY coalesce(adv_source, 'none (two-sided)')) AS advantage_source
-        FROM ({_joined(con, topk)}) GROUP BY rollout, scorer ORDER BY rollout, scorer""").df()
+        FROM ({_joined(con, topk)}) {where} GROUP BY rollout, scorer ORDER BY rollout, scorer""", params).df()
 
 
 @dataclass
@@ -92,6 +94,7 @@ class Chunk:
     mu_bucket: np.ndarray
     seq_start: np.ndarray
     topk: tuple | None  # (anchor [N, K], pi [N, K], valid [N, K]) or None
+    rows: pa.RecordBatch | None = None  # the chunk's rows as read (columns of `_joined`)
 
     @property
     def n(self) -> int:
@@ -216,4 +219,4 @@ def _chunk(pair: int, tbl: pa.Table, topk: bool) -> Chunk:
     adv = b.column("adv").fill_null(np.nan).to_numpy(zero_copy_only=False).astype(np.float64)
     bucket = b.column("mu_bucket").fill_null(-1).to_numpy(zero_copy_only=False)
     return Chunk(pair, arr("lmu"), arr("lpi"), adv, arr("category"), bucket, np.flatnonzero(new),
-                 _topk_arrays(b) if topk else None)
+                 _topk_arrays(b) if topk else None, b)
