@@ -402,6 +402,9 @@ def _warm(path: str) -> None:
         for (rollout, scorer), rows in by_pair:
             for method in dict.fromkeys([rows["method"].iloc[0], *(m for m in rows["method"] if m in firsts)]):
                 _call(path, dropped.dropped_tokens, method, rollout, scorer, overrides=None)
+        # last, the rules' modules (torch: ~1.5 CPU s), which a cached result does not import: another dropping
+        # method or an override, computed on demand, then costs only its rule
+        importlib.import_module("mismatch_lab.corrections.compare")
 
 
 def prepare(path: str):
