@@ -91,6 +91,16 @@ class _PageQueries:
 _PAGE_QUERIES = _PageQueries()
 
 
+def yield_to_pages() -> None:
+    """In a warm-up thread: wait until pages have been quiet (`_PageQueries.wait_quiet`), then raise `_Stopped`
+    if it was asked to stop. Elsewhere: nothing."""
+    thread = threading.current_thread()
+    if isinstance(thread, _WarmUp):
+        _PAGE_QUERIES.wait_quiet(thread)
+        if thread.stopping:
+            raise _Stopped
+
+
 class _Store:
     """One open store: its read-only connection and the cursors taken from it.
 

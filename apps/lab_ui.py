@@ -59,7 +59,7 @@ from lab_draw import (  # noqa: F401
     token_html,
     token_label,
 )
-from lab_stores import StoreClosed, _WarmUp, clear_at_exit  # noqa: F401
+from lab_stores import StoreClosed, _WarmUp, clear_at_exit, yield_to_pages  # noqa: F401
 
 from mismatch_lab.analysis import (
     browse,
@@ -403,7 +403,9 @@ def _warm(path: str) -> None:
             for method in dict.fromkeys([rows["method"].iloc[0], *(m for m in rows["method"] if m in firsts)]):
                 _call(path, dropped.dropped_tokens, method, rollout, scorer, overrides=None)
         # last, the rules' modules (torch: ~1.5 CPU s), which a cached result does not import: another dropping
-        # method or an override, computed on demand, then costs only its rule
+        # method or an override, computed on demand, then costs only its rule. Only while pages are quiet: beside a
+        # page's first load on 2 cores the import took ~0.7 s of its CPU (Inspector 2.6 -> 3.0-3.7 s in Chromium)
+        yield_to_pages()
         importlib.import_module("mismatch_lab.corrections.compare")
 
 
