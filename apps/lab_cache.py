@@ -21,10 +21,10 @@ import streamlit as st
 from lab_stores import (
     _PAGE_QUERIES,
     StoreClosed,
-    _Stopped,
     _Store,
     _WarmUp,
     clear_at_exit,
+    yield_to_pages,
 )
 
 from mismatch_lab.analysis import volatility
@@ -81,13 +81,10 @@ def _on_store(path: str, work, fp: str | None = None):
 def _fetch(path: str, query_: tuple, fp: str, compute):
     """A result the memory cache lacks: read from the disk cache, else computed and written there. A page's
     fetch counts as page work, so the warm-up waits for it (unpickling a large table takes a core too)."""
-    thread = threading.current_thread()
-    if not isinstance(thread, _WarmUp):
+    if not isinstance(threading.current_thread(), _WarmUp):
         with _PAGE_QUERIES.running():
             return disk(path).get_or_compute(query_, fp, compute)
-    _PAGE_QUERIES.wait_quiet(thread)
-    if thread.stopping:
-        raise _Stopped
+    yield_to_pages()
     return disk(path).get_or_compute(query_, fp, compute)
 
 
