@@ -78,25 +78,25 @@ class _PageQueries:
         with self._cond:
             self._cond.notify_all()
 
-    def wait_quiet(self, warm_up: _WarmUp) -> None:
-        """Block the warm-up until pages have been quiet for QUIET_S, or it is asked to stop."""
+    def wait_quiet(self, warm_up: _WarmUp, quiet_s: float = QUIET_S) -> None:
+        """Block the warm-up until pages have been quiet for `quiet_s`, or it is asked to stop."""
         with self._cond:
             while not warm_up.stopping:
                 idle = time.monotonic() - self._last
-                if not self._running and idle >= self.QUIET_S:
+                if not self._running and idle >= quiet_s:
                     return
-                self._cond.wait(self.QUIET_S if self._running else self.QUIET_S - idle)
+                self._cond.wait(quiet_s if self._running else quiet_s - idle)
 
 
 _PAGE_QUERIES = _PageQueries()
 
 
-def yield_to_pages() -> None:
-    """In a warm-up thread: wait until pages have been quiet (`_PageQueries.wait_quiet`), then raise `_Stopped`
-    if it was asked to stop. Elsewhere: nothing."""
+def yield_to_pages(quiet_s: float = _PageQueries.QUIET_S) -> None:
+    """In a warm-up thread: wait until pages have been quiet for `quiet_s` (`_PageQueries.wait_quiet`), then
+    raise `_Stopped` if it was asked to stop. Elsewhere: nothing."""
     thread = threading.current_thread()
     if isinstance(thread, _WarmUp):
-        _PAGE_QUERIES.wait_quiet(thread)
+        _PAGE_QUERIES.wait_quiet(thread, quiet_s)
         if thread.stopping:
             raise _Stopped
 

@@ -79,6 +79,7 @@ REPO = APP_DIR.parent
 ENV_VAR = "MISMATCH_LAB_STUDY"  # set by `mismatch-lab app --study ...`; `-- --study ...` works too
 WORST_N = 50  # the inspector's list of worst sequences
 TOP_CLIPPED_MAX = 100  # the Clipping page's longest list of token strings (one query serves every shorter one)
+IMPORT_QUIET_S = 5.0  # the warm-up imports the Corrections rules (torch) once pages have not queried this long
 
 
 def study_from_args(argv: list[str] | None = None) -> str | None:
@@ -403,9 +404,10 @@ def _warm(path: str) -> None:
             for method in dict.fromkeys([rows["method"].iloc[0], *(m for m in rows["method"] if m in firsts)]):
                 _call(path, dropped.dropped_tokens, method, rollout, scorer, overrides=None)
         # last, the rules' modules (torch: ~1.5 CPU s), which a cached result does not import: another dropping
-        # method or an override, computed on demand, then costs only its rule. Only while pages are quiet: beside a
-        # page's first load on 2 cores the import took ~0.7 s of its CPU (Inspector 2.6 -> 3.0-3.7 s in Chromium)
-        yield_to_pages()
+        # method or an override, computed on demand, then costs only its rule. Only once no page has queried for
+        # IMPORT_QUIET_S: the page's rendering goes on after its last query, and beside a page's first load on 2
+        # cores the import took ~0.5 CPU s of it (Inspector 2.1-2.6 -> 3.0-3.9 s in Chromium)
+        yield_to_pages(IMPORT_QUIET_S)
         importlib.import_module("mismatch_lab.corrections.compare")
 
 
