@@ -87,11 +87,8 @@ def once(con: duckdb.DuckDBPyConnection, key: str, compute: Callable[[], object]
 def _columns(con: duckdb.DuckDBPyConnection, table: str | None = None) -> dict[str, set[str]]:
     """table -> its columns less the filled ones (`table_columns`), of `table` only or of every table."""
     sql, params = (f"{_COLUMNS_SQL} AND table_name = ?", [table]) if table else (_COLUMNS_SQL, [])
-    out: dict[str, set[str]] = {}
-    for name, column in con.execute(sql, params).fetchall():
-        out.setdefault(name, set()).add(column)
     filled = _filled(con, table)
-    return {name: cols - filled.get(name, set()) for name, cols in out.items()}
+    return {name: cols - filled.get(name, set()) for name, cols in _by_table(con.execute(sql, params).fetchall()).items()}
 
 
 def _filled(con: duckdb.DuckDBPyConnection, table: str | None) -> dict[str, set[str]]:
@@ -105,6 +102,11 @@ def _filled(con: duckdb.DuckDBPyConnection, table: str | None) -> dict[str, set[
         rows = con.execute(sql, params).fetchall()
     except duckdb.CatalogException:
         return {}  # a DuckDB store: its columns are what its tables hold
+    return _by_table(rows)
+
+
+def _by_table(rows) -> dict[str, set[str]]:
+    """(table_name, column_name) rows -> table -> its columns."""
     out: dict[str, set[str]] = {}
     for name, column in rows:
         out.setdefault(name, set()).add(column)
