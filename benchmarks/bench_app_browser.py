@@ -30,7 +30,7 @@ and the inspector's step list run on a Recorder's run of 200 steps (1 M tokens, 
 benchmarks/out/app-steps-store). Printed as a table (page, interaction, wall s, server CPU s) and the slowest
 per page; in the JSON under "interactions". `--reuse-cache` skips `--prepare` and keeps the last run's results
 cache (what that run computed is then cached: for trying a selector, not for figures). Last, the `refresh` figure: a Recorder writes a run of M steps into a shard store, the
-Training page is loaded (every step computed), reloaded with no change (the fixed cost), N more steps are
+Training page (and the Overview: `--refresh-pages`; by default those of `--pages`) is loaded (every step computed), reloaded with no change (the fixed cost), N more steps are
 written, the page is reloaded (only the new steps computed): wall and server CPU of the refresh against the full
 load and the fixed cost, in the same run (that server runs without the warm-up thread, whose whole-store analyses
 would count in its CPU).
@@ -189,8 +189,12 @@ def _log_steps(rec, steps: range, batch: int, length: int) -> None:
                      rewards=rng.normal(size=batch))
 
 
-def refresh(browser, folder: Path, log: Path, env: dict, m: int, n: int, tokens: int) -> dict:
-    """The Training page of a recorded run of m steps (`tokens` in all), reloaded with no new step (*fixed*: a new
+REFRESHED = ("overview", "training")
+"""The pages whose refresh on a store being written is measured (`refresh`): those of `--pages` among these."""
+
+
+def refresh(browser, folder: Path, log: Path, env: dict, m: int, n: int, tokens: int, name: str = "training") -> dict:
+    """The page `name` (REFRESHED) of a recorded run of m steps (`tokens` in all), reloaded with no new step (*fixed*: a new
     Streamlit session and the page drawn from the caches), after 1 new step and after n more. The target: a
     refresh after n steps of at most the fixed cost plus 2 n / m of the full load (issue 35, item 6); the 1-step
     refresh splits the rest into a cost per refresh (a connection over the new steps, each per-step query
@@ -207,25 +211,25 @@ def refresh(browser, folder: Path, log: Path, env: dict, m: int, n: int, tokens:
         proc, url = serve(folder, log, env)
         try:
             page = browser.new_context(viewport={"width": 1400, "height": 1000}).new_page()
-            full, full_cpu = load(page, url, "training", pid=proc.pid)
+            full, full_cpu = load(page, url, name, pid=proc.pid)
             loads, written = {0: [], 1: [], n: []}, m
             for _ in range(REPEATS):
                 for k in (0, 1, n):
                     _log_steps(rec, range(written, written + k), batch, length)
                     written += k
                     time.sleep(1.0)  # past the page's fingerprint memo (lab_cache.FINGERPRINT_S)
-                    loads[k].append(load(page, url, "training", reload=True, pid=proc.pid))
+                    loads[k].append(load(page, url, name, reload=True, pid=proc.pid))
         finally:
             stop(proc)
     (same, same_cpu), (one, one_cpu), (new, new_cpu) = (
         tuple(statistics.median(x[i] for x in loads[k]) for i in (0, 1)) for k in (0, 1, n))
     per_step = (new_cpu - one_cpu) / max(n - 1, 1)
     target = same_cpu + 2 * n / m * full_cpu
-    out = {"m_steps": m, "n_new": n, "tokens": m * batch * length, "full_s": full, "full_cpu_s": full_cpu,
+    out = {"page": name, "m_steps": m, "n_new": n, "tokens": m * batch * length, "full_s": full, "full_cpu_s": full_cpu,
            "fixed_s": same, "fixed_cpu_s": same_cpu, "one_s": one, "one_cpu_s": one_cpu, "refresh_s": new,
            "refresh_cpu_s": new_cpu, "ratio_wall": new / full, "ratio_cpu": new_cpu / full_cpu,
            "target_cpu_s": target, "per_new_step_cpu_s": per_step, "per_refresh_cpu_s": one_cpu - same_cpu - per_step}
-    print(f"refresh after {n} new steps of a run of {m} steps ({out['tokens']:,} tokens): {new:.2f} s "
+    print(f"{name} refresh after {n} new steps of a run of {m} steps ({out['tokens']:,} tokens): {new:.2f} s "
           f"(server CPU {new_cpu:.2f} s) against a full load {full:.2f} s (CPU {full_cpu:.2f} s): ratio "
           f"{out['ratio_wall']:.2f} wall, {out['ratio_cpu']:.2f} CPU; a reload with no new step (fixed) {same:.2f} s "
           f"(CPU {same_cpu:.2f} s); target CPU <= fixed + 2 x {n}/{m} x full = {target:.2f} s: "
@@ -532,10 +536,11 @@ def measure(browser, args, log: Path, cached: dict) -> dict:
         report["cold"] = pages(browser, args.store, args.pages, log, {**cached, "MISMATCH_LAB_CACHE": "0"}, "cold")
     if not args.no_tour:
         report["tour"] = tour(browser, args.store, log, cached)
-    if args.refresh[0]:
+    for name in (args.refresh_pages or [p for p in args.pages if p in REFRESHED]) if args.refresh[0] else ():
         # warm-up off: its whole-store analyses in the background would be counted in the server's CPU
-        report["refresh"] = refresh(browser, OUT / "app-live-store", log, cached | {"MISMATCH_LAB_APP_WARMUP": "0"},
-                                    *args.refresh, tokens=1_000_000)
+        key = "refresh" if name == "training" else f"refresh_{name}"
+        report[key] = refresh(browser, OUT / "app-live-store", log, cached | {"MISMATCH_LAB_APP_WARMUP": "0"},
+                              *args.refresh, tokens=1_000_000, name=name)
     return report
 
 
@@ -555,6 +560,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--commit", default="HEAD", help="the commit whose apps/ and mismatch_lab/ are measured")
     parser.add_argument("--refresh", nargs=2, type=int, default=[200, 5], metavar=("M", "N"),
                         help="the refresh figure: a run of M steps, then N new ones (0 0: skip)")
+    parser.add_argument("--refresh-pages", nargs="+", choices=REFRESHED,
+                        help="the pages whose refresh is measured (default: those of --pages among them)")
     args = parser.parse_args(argv)
     if not args.store.exists():
         raise SystemExit(f"{args.store} missing: run benchmarks/bench_app.py once to build it")
