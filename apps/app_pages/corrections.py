@@ -9,6 +9,7 @@ each one click away from the token inspector.
 """
 
 import altair as alt
+import lab_inspect
 import lab_select
 import lab_ui
 import numpy as np
@@ -238,6 +239,7 @@ st.dataframe(
     column_config={"log_ratio": st.column_config.NumberColumn("log r", format="%.4g"),
                    "ratio": st.column_config.NumberColumn("r = π/μ", format="%.4g")},
 )
+lab_inspect.prefetch(run_id, seq_id=seq_id, scorer=scorer, focus=first_pos)  # (computed in the background)
 if st.button(f"Open sequence {seq_id} of {run_id} in the token inspector", type="primary"):
     st.session_state.update(insp_mode=INSPECTOR_RUN_MODE, insp_run=run_id, insp_step="all steps", insp_seq=seq_id,
                             insp_scorer=scorer, insp_focus_pos=first_pos)

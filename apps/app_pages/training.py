@@ -1,6 +1,7 @@
 """Training: curves per objective from `train_metrics`, the mismatch per step measured from the tokens, and a
 step picker that opens a step's sequences."""
 
+import lab_inspect
 import lab_ui
 import streamlit as st
 
@@ -97,7 +98,8 @@ else:
     st.caption("No rewards were stored for this step.")
 st.dataframe(lab_ui.training("list_sequences", run_id, step=int(step)), hide_index=True)
 
+lab_inspect.prefetch(run_id, step=int(step))  # what the inspector shows of the step, computed in the background
 if st.button(f"Open step {step} in the token inspector", type="primary"):
-    st.session_state.update(insp_mode="By run and sequence", insp_run=run_id, insp_step=int(step))
+    st.session_state.update(insp_mode=lab_inspect.BY_RUN, insp_run=run_id, insp_step=int(step))
     st.session_state.pop("insp_seq", None)
-    st.switch_page("app_pages/inspector.py")
+    st.switch_page(lab_inspect.PAGE)

@@ -1,0 +1,125 @@
+"""The token inspector's look-ups, named once: the inspector page runs them, and a page whose button opens the
+inspector on a sequence prefetches them for that sequence in the background (`prefetch`), so that the page run
+the button causes finds them cached.
+
+Which sequence, scorer and token the inspector opens on is decided here too (`listed`, `scorer_of`,
+`start_pos`), so the prefetch asks for exactly what the page will show: the same functions with the same
+arguments hit the same caches (`lab_ui.query`'s, and on a shard store the Training page's per-unit look-ups of
+a run's steps and of one step's sequences, `lab_ui.training`).
+"""
+
+from __future__ import annotations
+
+import os
+
+import lab_ui
+import pandas as pd
+import streamlit as st
+from lab_stores import StoreClosed, _WarmUp, clear_at_exit
+
+from mismatch_lab.analysis import browse
+from mismatch_lab.errors import UserError
+
+PAGE = "app_pages/inspector.py"
+BY_RUN = "By run and sequence"  # the inspector's radio option for a picked run and sequence
+ALL_STEPS = "all steps"
+
+
+def steps_of(path: str, run_id: str) -> pd.DataFrame:
+    """The run's training steps (`browse.training_steps`; per unit on a shard store, as the Training page)."""
+    return lab_ui.training("training_steps", run_id, path=path)
+
+
+def sequences_of(path: str, run_id: str, step: int | None) -> pd.DataFrame:
+    """The run's sequences (`browse.list_sequences`), of one step when `step` is given (per unit on a shard store,
+    as the Training page)."""
+    if step is None:
+        return lab_ui._call(path, browse.list_sequences, run_id, step=None)
+    return lab_ui.training("list_sequences", run_id, step=int(step), path=path)
+
+
+def tokens_of(path: str, run_id: str, seq_id: int) -> pd.DataFrame:
+    return lab_ui._call(path, browse.sequence_tokens, run_id, int(seq_id))
+
+
+def topk_of(path: str, run_id: str, seq_id: int, pos: int) -> pd.DataFrame:
+    return lab_ui._call(path, browse.token_topk, run_id, int(seq_id), int(pos))
+
+
+def listed(seqs: pd.DataFrame) -> pd.DataFrame:
+    """The sequences the inspector lists: those with a stored token (a Recorder keeps sequences without a
+    loss-mask token)."""
+    return seqs[seqs["response_len"] != 0]
+
+
+def scorers_of(tokens: pd.DataFrame) -> list[str]:
+    return sorted(tokens["scorer"].dropna().unique())
+
+
+def scorer_of(tokens: pd.DataFrame, remembered: str | None) -> str | None:
+    """The scorer the inspector shows: the remembered one where it scored the sequence, else the first."""
+    scorers = scorers_of(tokens)
+    return remembered if remembered in scorers else (scorers[0] if scorers else None)
+
+
+def start_pos(view: pd.DataFrame, focus) -> int:
+    """The token the detail opens on: `focus` (a token another page opens) where the sequence holds it, else
+    the largest |Δp| under the scorer shown (`view`: its rows), else the first."""
+    positions = view["pos"].tolist()
+    if focus in positions:
+        return focus
+    return int(view.loc[view["abs_dp"].idxmax(), "pos"]) if view["abs_dp"].notna().any() else positions[0]
+
+
+def look_ups(path: str, run_id: str, step: int | None, seq_id: int | None, scorer: str | None, focus) -> None:
+    """What the inspector queries when a button opens it on (run, step, sequence; None: the first listed),
+    with the remembered scorer and the token to focus."""
+    lab_ui._call(path, browse.list_runs)
+    steps_of(path, run_id)
+    seqs = listed(sequences_of(path, run_id, step))
+    if seq_id is None:
+        if seqs.empty:
+            return
+        seq_id = int(seqs["seq_id"].iloc[0])
+    tokens = tokens_of(path, run_id, seq_id)
+    scorer = scorer_of(tokens, scorer)
+    if scorer is not None:
+        topk_of(path, run_id, seq_id, start_pos(tokens[tokens["scorer"] == scorer], focus))
+
+
+def prefetch(run_id: str, *, step: int | None = None, seq_id: int | None = None, scorer: str | None = None,
+             focus=None) -> None:
+    """In the page run that draws a button opening the inspector on (run, step, sequence) with `scorer` (None:
+    the one the inspector remembers) and the token `focus`: compute the inspector's look-ups for that
+    target in a background thread (part of the warm-up: off with it, MISMATCH_LAB_APP_WARMUP=0). The thread
+    waits until no page has queried for a moment (`lab_stores.yield_to_pages`), so it does not slow the page
+    that drew the button; once per store version and target."""
+    path = st.session_state.get("store_path")
+    if not path or not background():
+        return
+    target = (str(run_id), None if step is None else int(step), None if seq_id is None else int(seq_id),
+              scorer or st.session_state.get("insp_scorer"), None if focus is None else int(focus))
+    _prefetch_at(path, lab_ui.fingerprint(path), target)
+
+
+def background() -> bool:
+    """Whether the app computes in the background (the warm-up and the prefetch): MISMATCH_LAB_APP_WARMUP=0
+    turns both off."""
+    return os.environ.get("MISMATCH_LAB_APP_WARMUP", "1") != "0"
+
+
+def _prefetch(path: str, target: tuple) -> None:
+    try:
+        look_ups(path, *target)
+    except (UserError, StoreClosed):  # the store changed or closed meanwhile: the page computes on demand
+        return
+
+
+@st.cache_resource(ttl=lab_ui.TTL_S, show_spinner=False, max_entries=32, on_release=_WarmUp.stop)
+def _prefetch_at(path: str, fp: str, target: tuple) -> _WarmUp:
+    thread = _WarmUp(path, lambda p: _prefetch(p, target))
+    thread.start()
+    return thread
+
+
+clear_at_exit(_prefetch_at)
