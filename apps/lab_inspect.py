@@ -87,19 +87,26 @@ def look_ups(path: str, run_id: str, step: int | None, seq_id: int | None, score
         topk_of(path, run_id, seq_id, start_pos(tokens[tokens["scorer"] == scorer], focus))
 
 
+_FIRST_SEEN: dict[str, str] = {}  # store path -> its fingerprint at the first prefetch of this process
+
+
 def prefetch(run_id: str, *, step: int | None = None, seq_id: int | None = None, scorer: str | None = None,
              focus=None) -> None:
     """In the page run that draws a button opening the inspector on (run, step, sequence) with `scorer` (None:
     the one the inspector remembers) and the token `focus`: compute the inspector's look-ups for that
     target in a background thread (part of the warm-up: off with it, MISMATCH_LAB_APP_WARMUP=0). The thread
     waits until no page has queried for a moment (`lab_stores.yield_to_pages`), so it does not slow the page
-    that drew the button; once per store version and target."""
+    that drew the button; once per target, and only while the store is as the first prefetch saw it (a store
+    being written changes at every refresh)."""
     path = st.session_state.get("store_path")
     if not path or not background():
         return
+    fp = lab_ui.fingerprint(path)
+    if _FIRST_SEEN.setdefault(path, fp) != fp:  # a store being written: not at each refresh (a whole-store
+        return  # connection per version), the inspector computes on demand, as the warm-up's analyses
     target = (str(run_id), None if step is None else int(step), None if seq_id is None else int(seq_id),
               scorer or st.session_state.get("insp_scorer"), None if focus is None else int(focus))
-    _prefetch_at(path, lab_ui.fingerprint(path), target)
+    _prefetch_at(path, fp, target)
 
 
 def background() -> bool:

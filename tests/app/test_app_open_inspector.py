@@ -135,3 +135,26 @@ def test_a_shard_stores_steps_and_sequences_in_the_inspector_are_the_whole_store
         pd.testing.assert_frame_equal(lab_inspect.sequences_of(path, "steps", step),
                                       browse.list_sequences(con, "steps", step=step))
     pd.testing.assert_frame_equal(lab_inspect.sequences_of(path, "steps", None), browse.list_sequences(con, "steps"))
+
+
+def test_a_store_being_written_is_not_prefetched_again_at_each_refresh(tmp_path, monkeypatch, lab_ui):
+    import lab_cache
+    import lab_inspect
+
+    _prefetch_on(monkeypatch, True)
+    targets: list[tuple] = []
+    monkeypatch.setattr(lab_inspect, "_prefetch", lambda path, target: targets.append(target))
+    rng = np.random.default_rng(3)
+    with Recorder(tmp_path / "live", "live", framework="verl", rollout_engine="vllm", rollout_dtype="bf16") as rec:
+        lmu = -rng.exponential(1.0, (B, T))
+        rec.log_step(0, None, np.ones((B, T), bool), lmu, lmu)
+        at = open_page(tmp_path / "live", monkeypatch, "training")
+        _join_prefetches()
+        assert targets == [("live", 0, None, None, None)]
+        rec.log_step(1, None, np.ones((B, T), bool), lmu, lmu)  # the writer goes on while the page is open
+        monkeypatch.setattr(lab_cache, "FINGERPRINT_S", 0.0)  # the page takes the store's new fingerprint
+        at.run()
+        _join_prefetches()
+    assert not at.exception, at.exception
+    assert any(b.label == "Open step 1 in the token inspector" for b in at.button)
+    assert targets == [("live", 0, None, None, None)]  # the store changed since: no prefetch at its refreshes
