@@ -29,6 +29,7 @@ import importlib
 import math
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -42,6 +43,7 @@ from lab_cache import (  # (names the pages and tests use as lab_ui.X are re-exp
     _connection,
     _fetch,
     _is_duckdb,
+    _keep_pair_tokens,
     _on_store,
     _steps_by_unit,
     _store_at,  # noqa: F401
@@ -69,7 +71,6 @@ from mismatch_lab.analysis import (
     steps,
 )
 from mismatch_lab.analysis.sample import SAMPLE_TOKENS, sample_size, sampled, stride
-from mismatch_lab.doctor.report import doctor_view
 from mismatch_lab.errors import UserError
 from mismatch_lab.store import cache
 from mismatch_lab.store.shards import is_shard_store
@@ -316,7 +317,7 @@ def volatility_of(
     eps_high: float = definitions.EPS_HIGH,
     path: str | None = None,
 ):
-    """The volatility table of one pair, computed from the pair's joined rows (`_PairRows`)."""
+    """The volatility table of one pair, computed from the pair's tokens (`lab_cache._pair_tokens`)."""
     n = n_buckets or (definitions.N_LINEAR_BUCKETS if buckets == "linear" else definitions.N_LOG_BUCKETS)
     path = path or store()
     return _volatility(path, fingerprint(path), rollout, scorer, buckets, int(n), float(eps_low), float(eps_high))
@@ -375,11 +376,48 @@ def training(name: str, *args, path: str | None = None, **kwargs):
         st.stop()
 
 
+def overview(name: str, path: str | None = None):
+    """The Overview's look-up `name` (`store.units_overview.OVERVIEW`: list_runs, precision_table, doctor_view):
+    on a shard store merged from per-unit parts (a refresh of a store being written computes its new steps
+    only), else, and where the doctor's parts are not kept per unit, the whole-store function through `query`'s
+    caches (the same entries as `precision_of` and the warm-up's)."""
+    from mismatch_lab.store import units_overview
+
+    path = path or live_store()
+    module, _ = units_overview.OVERVIEW[name]
+    if is_shard_store(path):
+        try:
+            found = _overview_by_unit(path, fingerprint(path), name)
+        except UserError as exc:  # what `store()` says of a store it cannot open
+            st.error(f"Cannot open `{store_label(path)}`: {exc}")
+            st.stop()
+        if found is not None:
+            return found
+    return _call_named(path, module, name)
+
+
+@st.cache_data(ttl=TTL_S, show_spinner="Querying the new steps…", max_entries=64)
+def _overview_by_unit(path: str, fp: str, name: str):
+    from lab_stores import _PAGE_QUERIES
+
+    from mismatch_lab.store import units_overview
+
+    def compute():
+        return units_overview.OVERVIEW[name][1](units_overview.OverviewUnits(path, fp), disk(path))
+
+    if isinstance(threading.current_thread(), _WarmUp):
+        yield_to_pages()
+        return compute()
+    with _PAGE_QUERIES.running():
+        return compute()
+
+
 def _warm(path: str) -> None:
     """Compute what the pages show first, most likely first: the overview, then each pair's pages."""
-    _call(path, browse.list_runs)
-    precision_of(path)
-    _call(path, doctor_view)  # the Overview's verdicts and Doctor section (its own precision pass over the same rows)
+    _call(path, browse.list_runs)  # (the inspector's run list; the Overview's on a shard store is per unit)
+    overview("list_runs", path)
+    overview("precision_table", path)
+    overview("doctor_view", path)  # the Overview's verdicts and Doctor section (its own precision pass)
     pairs = _call(path, browse.list_pairs)
     _call(path, browse.list_categories)
     for i, pair in enumerate(pairs.itertuples()):
@@ -388,8 +426,9 @@ def _warm(path: str) -> None:
         top_clipped_of(pair.rollout, pair.scorer, path=path)
         if i == 0:
             worst_of(path=path)
-    for pair in pairs.itertuples():  # the other bucket scale, then the worst sequences under each scorer
-        volatility_of(pair.rollout, pair.scorer, "log", path=path)
+    for pair in pairs.itertuples():  # the other bucket scale and the pair's tokens (any other bucketing reads
+        volatility_of(pair.rollout, pair.scorer, "log", path=path)  # them), then the worst sequences per scorer
+        _keep_pair_tokens(path, pair.rollout, pair.scorer)
     for scorer in sorted(set(pairs["scorer"])):
         worst_of(scorer, path=path)
     tables = corrections_of(path)

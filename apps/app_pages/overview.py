@@ -1,17 +1,17 @@
 """Overview: the doctor's verdict per pair and what to change first, then the studies the app can open, the
-runs of the open one, its precision table and every check of the doctor."""
+runs of the open one, its precision table and every check of the doctor. On a shard store (a run being
+recorded or imported) each is merged from per-step parts (`lab_ui.overview`): a refresh computes the new steps."""
 
 import lab_ui
 import streamlit as st
 
-from mismatch_lab.analysis import browse
-from mismatch_lab.doctor.report import VERDICT_KEY, doctor_view
+from mismatch_lab.doctor.report import VERDICT_KEY
 
 BOX = {"ok": st.success, "warn": st.warning, "fail": st.error}  # a pair's verdict, in the box of its colour
 
 st.title("Overview")
 
-doctor = lab_ui.query(doctor_view)
+doctor = lab_ui.overview("doctor_view")
 if doctor.verdicts:
     for v in doctor.verdicts:
         BOX[v["verdict"]](f"**{v['pair']}**: {v['verdict']} · {v['detail']}".replace("|", "\\|"))
@@ -29,7 +29,7 @@ st.dataframe(
 )
 st.caption("Pick another study in the sidebar.")
 
-runs = lab_ui.query(browse.list_runs)
+runs = lab_ui.overview("list_runs")
 st.subheader("Runs")
 if runs.empty:
     st.info("This study has no runs yet. Collect one with `mismatch-lab collect --study studies/<name>/study.toml`, "
@@ -69,7 +69,7 @@ st.caption(
     "kl_k1/k2/k3 are Schulman's estimators of KL(μ ‖ π) from the sampled token; "
     "definitions in `mismatch_lab/analysis/definitions.py`."
 )
-table = lab_ui.precision_of()
+table = lab_ui.overview("precision_table")
 if table.empty:
     st.info("No scored tokens yet: the precision table needs a rollout and at least one scorer.")
 else:

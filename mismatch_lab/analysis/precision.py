@@ -148,6 +148,14 @@ def precision_table(
     return _table(rollup(grid, keys), rows.sequences("rollout"), keys, PRECISION_COLUMNS)
 
 
+def precision_from(sums: pd.DataFrame, seqs: pd.DataFrame) -> pd.DataFrame:
+    """`precision_table` of every pair from PRECISION_SUMS per (rollout, scorer, ...) rows, summed here (maxima
+    taken), and the rows of `Rows.sequences('rollout')` (a shard store's Overview keeps both per unit,
+    `store.units_overview`)."""
+    keys = ["rollout", "scorer"]
+    return _table(rollup(sums, keys) if len(sums) else sums, seqs, keys, PRECISION_COLUMNS)
+
+
 def sequence_drift(con: duckdb.DuckDBPyConnection, *, rollout=None, scorer=None, run_ids=None) -> pd.DataFrame:
     """One row per (rollout, scorer, sequence): response_len (tokens scored), n_nonfinite, logratio_sum =
     sum of (log pi - log mu), seq_kl_k1 = sum of (log mu - log pi) (the sequence-level KL(mu || pi) of the

@@ -69,9 +69,16 @@ def step_series(
     else:
         grid = rows.grid(t)
         s = rollup(grid[grid["step"].notna()], keys)
+    return series_of(s)
+
+
+def series_of(s: pd.DataFrame) -> pd.DataFrame:
+    """STEP_COLUMNS from PRECISION_SUMS per (run_id, rollout, scorer, step) (`step_series`; a shard store's
+    Overview merges them from its units, `store.units_overview`)."""
     if s.empty:
         return empty(STEP_COLUMNS)
-    out = pd.concat([s[keys], token_metrics(s)], axis=1)
+    keys = ["run_id", "rollout", "scorer", "step"]
+    out = pd.concat([s[keys].reset_index(drop=True), token_metrics(s).reset_index(drop=True)], axis=1)
     out["step"] = out["step"].astype("int64")
     return out.sort_values(["run_id", "rollout", "scorer", "step"]).reset_index(drop=True)[STEP_COLUMNS]
 

@@ -73,13 +73,24 @@ class Measurements:
 
 def _sequence_sql(rel: str) -> str:
     """Per (rollout, scorer) from per-sequence sums over the rollout row set `rel` (module doc)."""
+    return f"WITH seq AS ({per_sequence_sql(rel)}) {pair_sequence_sql('seq')}"
+
+
+def per_sequence_sql(rel: str) -> str:
+    """One row per (rollout, scorer, run_id, seq_id) of the rollout row set `rel`: the sums `pair_sequence_sql`
+    reads (every sequence lies in one unit of a shard store: `store.units_overview` keeps these rows per unit)."""
     return f"""
-        WITH seq AS (
             SELECT rollout, scorer, run_id, seq_id, bool_and(finite) AS ok, count(*) AS n_rows,
                    count(*) FILTER (WHERE NOT finite OR dlogp <> 0) AS n_unequal,
                    count_if(btv > {d.DELTA_TV!r}) AS n_tv, count(*) FILTER (WHERE finite) AS n_fin,
                    avg(abs(dlogp)) AS abs_dlogp, sum(dlogp) AS lr_sum, avg(k3) AS k3_mean
-            FROM ({rel}) GROUP BY ALL)
+            FROM ({rel}) GROUP BY ALL"""
+
+
+def pair_sequence_sql(seq: str) -> str:
+    """The per-sequence columns of `pairs` (module doc), per (rollout, scorer), from the rows of `per_sequence_sql`
+    in the relation `seq`."""
+    return f"""
         SELECT rollout::VARCHAR AS rollout, scorer::VARCHAR AS scorer,
                count(*) FILTER (WHERE ok) AS seq_n,
                avg(n_rows) FILTER (WHERE ok) AS seq_len_mean,
@@ -101,9 +112,13 @@ def pairs(m: Measurements) -> pd.DataFrame:
     tokens = precision_table(m.con, _rows=m.rows)
     if tokens.empty:
         return tokens
-    tokens = tokens.assign(ess=tokens["r_mean"] ** 2 / (tokens["chi2"] + 1.0))  # (Σr)²/(nΣr²) = mean(r)²/mean(r²)
     rel, params = m.rows.sql["rollout"]
-    seqs = query(m.con, _sequence_sql(rel), params)
+    return pair_measures(tokens, query(m.con, _sequence_sql(rel), params))
+
+
+def pair_measures(tokens: pd.DataFrame, seqs: pd.DataFrame) -> pd.DataFrame:
+    """`pairs` from the precision table (not empty) and the per-sequence columns (`pair_sequence_sql`)."""
+    tokens = tokens.assign(ess=tokens["r_mean"] ** 2 / (tokens["chi2"] + 1.0))  # (Σr)²/(nΣr²) = mean(r)²/mean(r²)
     keep = ["rollout", "scorer", "n_tokens", "n_nonfinite", "n_finite", "abs_dp_mean", "kl_k3", "kl_k1", "chi2",
             "r_mean", "ess", "frac_ratio_outside_clip"]
     out = tokens[keep].merge(seqs, on=["rollout", "scorer"], how="left")
@@ -164,10 +179,19 @@ def corrections(m: Measurements) -> pd.DataFrame:
 
     # in the app a large store is compared on a sample of whole prompt groups (1 in `every`), as its Corrections
     # page opens: a sequence rule decides each kept sequence exactly as on the whole store
-    every = 1 if m.sample_tokens is None else sample.stride(sample.sample_size(m.con)["tokens"], m.sample_tokens)
+    every = 1 if m.sample_tokens is None else sample_every(sample.sample_size(m.con)["tokens"], m.sample_tokens)
     con = m.con if every == 1 else sample.sampled(m.con.cursor(), every)
     table = compare(con, methods=ADVISABLE)["corrections"]
     return table.assign(sample_every=every)
+
+
+def sample_every(n_tokens: int, target: int) -> int:
+    """The stride of the prompt groups the app's doctor compares the corrections on: `sample.stride` rounded up
+    to a power of two, so that it changes only when the store doubles (a store being written keeps the dropped
+    shares of its finished steps, `store.units_overview`, until then); a sample of target / 2 to target tokens."""
+    from mismatch_lab.analysis.sample import stride
+
+    return 1 << (stride(n_tokens, target) - 1).bit_length()
 
 
 def scored(m: Measurements) -> pd.DataFrame:
@@ -210,8 +234,23 @@ def routing(m: Measurements) -> pd.DataFrame:
     return t[t["view"] == "pair"].reset_index(drop=True)
 
 
+class Measured:
+    """Measurements merged from parts instead of measured on a connection (`store.units_overview`: a shard
+    store's Overview per unit): name -> a function giving its frame, called on first use, as `Measurements`;
+    `incomplete` is `report._incomplete`'s map of the same store."""
+
+    def __init__(self, frames: dict, incomplete: dict[str, list[str]]):
+        self._frames, self.incomplete = frames, incomplete
+        self._cache: dict[str, pd.DataFrame] = {}
+
+    def get(self, name: str) -> pd.DataFrame:
+        if name not in self._cache:
+            self._cache[name] = self._frames[name]()
+        return self._cache[name]
+
+
 MEASUREMENTS = {"pairs": pairs, "steps": steps, "batch": batch, "skipped": skipped, "approximation": approximation,
                 "corrections": corrections, "scored": scored, "support": support, "nemo_rl": nemo_rl,
                 "routing": routing}
 
-__all__ = ["MEASUREMENTS", "Measurements"]
+__all__ = ["MEASUREMENTS", "Measured", "Measurements"]

@@ -64,12 +64,18 @@ def diagnose(con: duckdb.DuckDBPyConnection, store: str = "", gate: str | None =
     do not show them, skip their cost); `sample_tokens`: the dropped shares of the advice on a sample of a store
     holding more tokens (measure.Measurements; the app's views)."""
     with Measurements(con, sample_tokens=sample_tokens) as m:
-        rows, missing = run_checks(m)
-        advice = [a | {"source": A.RULE_SOURCE.get(a["rule"])} for a in recommendations(m)]
-        where = A.attribute(m.get("scored"), m.get("batch")) if attribution and m.rows.ok else []
-        incomplete = _incomplete(m)
+        return judged(m, store, gate, attribution=attribution and m.rows.ok, incomplete=lambda: _incomplete(m))
+
+
+def judged(m, store: str = "", gate: str | None = None, *, attribution: bool, incomplete) -> Diagnosis:
+    """The Diagnosis of measurements `m` (a `Measurements`, or a `measure.Measured` merged from parts);
+    `incomplete()` gives the map of `_incomplete`."""
+    rows, missing = run_checks(m)
+    advice = [a | {"source": A.RULE_SOURCE.get(a["rule"])} for a in recommendations(m)]
+    where = A.attribute(m.get("scored"), m.get("batch")) if attribution else []
+    found = incomplete()
     code, failed = gate_status(rows, gate, missing)
-    return Diagnosis(store, rows, missing, advice, gate, failed, code, where, incomplete)
+    return Diagnosis(store, rows, missing, advice, gate, failed, code, where, found)
 
 
 def _incomplete(m: Measurements) -> dict[str, list[str]]:
@@ -190,7 +196,11 @@ def doctor_view(con: duckdb.DuckDBPyConnection) -> DoctorView:
     """The app's doctor: no attribution, the advice's dropped shares on a sample of a large store."""
     from mismatch_lab.analysis.sample import SAMPLE_TOKENS
 
-    dx = diagnose(con, attribution=False, sample_tokens=SAMPLE_TOKENS)
+    return view_of(diagnose(con, attribution=False, sample_tokens=SAMPLE_TOKENS))
+
+
+def view_of(dx: Diagnosis) -> DoctorView:
+    """The app's view of a diagnosis (`doctor_view`; `store.units_overview` of one merged from parts)."""
     return DoctorView(pair_verdicts(dx), dx.recommendations, _checks_frame(dx))
 
 

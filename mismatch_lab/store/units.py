@@ -327,10 +327,12 @@ class UnitQuery:
 
 
 def _queries() -> dict[str, UnitQuery]:
-    """The per-unit queries by name (a function: the analyses are imported when first used)."""
+    """The per-unit queries by name (a function: the analyses are imported when first used): the Training page's
+    and the Overview's (`units_overview.QUERIES`)."""
     from mismatch_lab.analysis import steps, violations
+    from mismatch_lab.store.units_overview import QUERIES
 
-    return {
+    return QUERIES | {
         "step_series": UnitQuery(steps.step_series, ("run_id", "rollout", "scorer", "step")),
         "step_counts": UnitQuery(steps.step_counts, ("run_id", "step")),
         "train_series": UnitQuery(violations.train_series, ("run_id", "name", "step")),
