@@ -4,9 +4,9 @@ look-ups of a store being written.
 The connection is a `st.cache_resource` (one per store path and fingerprint); query results are
 `st.cache_data`, backed by the results cache on disk (`mismatch_lab.store.cache`); every cache is keyed by
 the store's fingerprint (its files' sizes and times), so a store that a writer changes is re-read at the
-next page run, and nothing computed is shown for data that changed. A pair's joined rows are kept on a
-cursor of their own (`_PairRows`), so that every bucketing of the pair is a GROUP BY over one table. The
-Training page of a store being written reads it per unit of (run, step) (`_training_by_unit`,
+next page run, and nothing computed is shown for data that changed. A pair's per-token inputs of the
+Volatility page (`_pair_tokens`: `volatility.pair_tokens`, one join, kept in the disk cache and in memory)
+serve every bucketing of the pair as a GROUP BY over them, without the store. The Training page of a store being written reads it per unit of (run, step) (`_training_by_unit`,
 `_steps_by_unit`; `mismatch_lab.store.units`).
 """
 
@@ -107,66 +107,37 @@ def _call_named(path: str, module: str, name: str, *args, **kwargs):
     return _cached(path, fingerprint(path), module, name, args, tuple(sorted(kwargs.items())))
 
 
-class _PairRows:
-    """One pair's rollout rows joined once into a temporary table on a cursor of their own (the join of
-    tokens and scores is most of a volatility pass), so that every bucketing of the pair -- a new bucket
-    count, scale or ε -- is a GROUP BY over that table instead of a new join. A lock serialises the
-    sessions that share it (a DuckDB cursor must not be used by two threads at once). The temporary table
-    lives as long as its cursor: closed when the cache drops the pair, or with the store."""
-
-    def __init__(self, store_: _Store, rollout: str, scorer: str):
-        from mismatch_lab.analysis.relations import Filters
-        from mismatch_lab.analysis.rows import Rows
-
-        self.lock = threading.Lock()
-        self.store = store_
-        self.cursor = store_.held_cursor()
-        try:
-            with store_.using(self.cursor) as cur:  # the join: the long query, interruptible like any other
-                self.rows = Rows(cur, Filters.make(rollout, scorer), materialize=True)
-        except BaseException:
-            store_.drop(self.cursor)
-            raise
-
-    def close(self) -> None:
-        with self.lock:
-            self.store.drop(self.cursor)
-            self.rows = self.cursor = None  # no DuckDB object outlives the pair's release
+def _pair_tokens_query(rollout: str, scorer: str) -> tuple:
+    return ("volatility.pair_tokens", rollout, scorer)
 
 
-@st.cache_resource(
-    ttl=TTL_S,
-    show_spinner="Joining the pair's tokens…",
-    max_entries=64,
-    validate=lambda pair: pair.store.usable,  # joined on a store the cache has dropped since: join again
-    on_release=_PairRows.close,
-)
-def _pair_rows(path: str, rollout: str, scorer: str, fp: str | None = None) -> _PairRows:
-    return _PairRows(_connection(path, fp), rollout, scorer)
+@st.cache_resource(ttl=TTL_S, show_spinner="Reading the pair's tokens…", max_entries=16)
+def _pair_tokens(path: str, fp: str, rollout: str, scorer: str) -> volatility.PairTokens | None:
+    """The per-token inputs of one pair's volatility tables (`volatility.pair_tokens`: 17-33 bytes a token)
+    as of `fp`: from the disk cache (~0.05 s for 500,000 tokens), else one join of the pair's tokens and
+    scores, kept there. A resource: shared by the sessions, never copied; the tables computed from it are
+    read-only in DuckDB."""
+    def compute():
+        return _on_store(path, lambda cur: volatility.pair_tokens(cur, rollout, scorer), fp)
+
+    return _fetch(path, _pair_tokens_query(rollout, scorer), fp, compute)
+
+
+def _keep_pair_tokens(path: str, rollout: str, scorer: str) -> None:
+    """The warm-up's step for a pair: its tokens in the disk cache (one join when missing), so that a
+    bucketing no one computed yet reads them from there; without a disk cache, in memory."""
+    fp = fingerprint(path)
+    if not disk(path).has(_pair_tokens_query(rollout, scorer), fp):
+        _pair_tokens(path, fp, rollout, scorer)
 
 
 @st.cache_data(ttl=TTL_S, show_spinner="Querying…", max_entries=512)
 def _volatility(path: str, fp: str, rollout: str, scorer: str, buckets: str, n_buckets: int, eps_low: float,
                 eps_high: float):
+    """A pair's volatility table as of `fp`, computed from the pair's tokens (`_pair_tokens`) when not cached."""
     query_ = ("volatility", rollout, scorer, buckets, n_buckets, eps_low, eps_high)
-    return _fetch(path, query_, fp, lambda: _volatility_on_pair(
-        path, fp, rollout, scorer, buckets, n_buckets, eps_low, eps_high))
-
-
-def _volatility_on_pair(path, fp, rollout, scorer, buckets, n_buckets, eps_low, eps_high):
-    for attempt in range(2):
-        pair = _pair_rows(path, rollout, scorer, fp)
-        try:
-            with pair.lock:
-                if pair.cursor is None:  # released between the look-up and the lock
-                    raise StoreClosed("the pair was released")
-                with pair.store.using(pair.cursor) as cur:
-                    return volatility.volatility_table(cur, rollout=rollout, scorer=scorer, buckets=buckets,
-                                                       n_buckets=n_buckets, eps_low=eps_low, eps_high=eps_high,
-                                                       _rows=pair.rows)
-        except StoreClosed:  # *Reload data* closed the pair's store between the look-up and the query
-            if attempt or pair.store.closing:
-                raise
+    return _fetch(path, query_, fp, lambda: volatility.volatility_of_pair(
+        _pair_tokens(path, fp, rollout, scorer), buckets, n_buckets, eps_low, eps_high))
 
 
 @st.cache_data(ttl=TTL_S, show_spinner="Querying the new steps…", max_entries=64)
@@ -196,5 +167,5 @@ def _training_by_unit(path: str, fp: str, name: str, args: tuple, kwargs: tuple)
         return units.TRAINING[name][1](units.ShardUnits(path, fp), disk(path), *args, **dict(kwargs))
 
 
-for _cached_resource in (_store_at, _pair_rows):
+for _cached_resource in (_store_at, _pair_tokens):
     clear_at_exit(_cached_resource)

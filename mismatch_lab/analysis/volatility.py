@@ -4,17 +4,39 @@ At identical parameters r should be 1. As mu -> 0 a tiny move in mass is a large
 clipping sees noise there; TV does not. One row per (rollout, scorer, mu bucket); every bucket of the
 grid is present, empty ones with n_tokens = 0 and empty statistics. Rows whose log mu is not finite
 cannot be bucketed: they appear in one extra row `bucket = -1` (label 'mu non-finite') when any exist.
+
+`volatility_table` joins the store's tokens and scores. The app's Volatility page, whose controls ask for
+one pair's table at any bucketing, reads the pair's few per-token inputs once (`pair_tokens`: log mu, log
+pi, finite, top-K TV, exact TV; ~17-33 bytes a token, kept in the app's results cache) and computes each
+table from them (`volatility_of_pair`): the same SQL of the metrics, buckets, sums and quantiles over an
+Arrow table in memory instead of the join, so the same table (counts, labels and quantiles bit for bit;
+the means up to the order in which floating-point sums are added).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import duckdb
 import numpy as np
 import pandas as pd
 
 from mismatch_lab.analysis import definitions as d
-from mismatch_lab.analysis.relations import Filters, empty
-from mismatch_lab.analysis.rows import R_QUANTILE_COLUMNS, Rows, Thresholds, rollup
+from mismatch_lab.analysis.relations import (
+    STORED_METRICS,
+    Filters,
+    _used,
+    empty,
+    typed_null,
+    with_metrics,
+)
+from mismatch_lab.analysis.rows import (
+    R_QUANTILE_COLUMNS,
+    Rows,
+    Thresholds,
+    rollup,
+    sums_sql,
+)
 
 STAT_COLUMNS = [
     "n_tokens", "n_nonfinite", "mu_mean", "r_mean", "r_std", *R_QUANTILE_COLUMNS, "frac_r_outside_eps",
@@ -24,6 +46,14 @@ STAT_COLUMNS = [
 VOLATILITY_COLUMNS = ["rollout", "scorer", "scale", "bucket", "mu_lo", "mu_hi", "bucket_label", *STAT_COLUMNS]
 NONFINITE_BUCKET = -1
 COUNTS = ("n_tokens", "n_nonfinite", "n_topk", "n_exact")
+VOLATILITY_SUMS = ("n", "n_nonfinite", "s_mu", "s_r1", "s_r1sq", "c_hi", "c_lo", "s_btv", "n_topk", "s_ktv", "n_exact",
+                   "s_exact")  # fmt: skip
+"""The sums (rows.sums_sql's names) a volatility table reads."""
+EXACT_OK = "finite AND isfinite(tv_exact)"
+"""The rows whose stored exact TV the table reads (its mean, as sums_sql's n_exact / s_exact, and its p99)."""
+PAIR_OPTIONAL = {"topk_tv": "topk", "tv_exact": "tv_exact"}
+"""pair_tokens' optional columns -> the rows.ABSENT_READS key of what reads them: a pair with no value of
+one (no top-K recorded, no exact TV stored) keeps no column of it."""
 
 
 def bucket_grid(scale: str, edges: list[tuple[float, float]], with_nonfinite: bool) -> pd.DataFrame:
@@ -72,6 +102,14 @@ def volatility_table(
     if grid.empty:
         return empty(VOLATILITY_COLUMNS)
     s = rollup(grid, ["rollout", "scorer", "lb" if linear else "gb"]).rename(columns={"lb": "bucket", "gb": "bucket"})
+    q = rows.quantiles(buckets, n)
+    q["bucket"] = q["bucket"].astype("int64")
+    return _table(s, q, buckets, edges)
+
+
+def _table(s: pd.DataFrame, q: pd.DataFrame, buckets: str, edges) -> pd.DataFrame:
+    """The volatility table from the sums per (rollout, scorer, bucket) `s` (VOLATILITY_SUMS, sums_sql's
+    names) and the quantiles per (rollout, scorer, bucket) `q` (rows.QUANTILE_COLUMNS)."""
     nf = s["n"].astype(float)
     stats = pd.DataFrame(
         {
@@ -87,8 +125,6 @@ def volatility_table(
             "n_exact": s["n_exact"], "tv_exact_vs_ref_mean": s["s_exact"] / s["n_exact"].astype(float),
         }
     )  # fmt: skip
-    q = rows.quantiles(buckets, n)
-    q["bucket"] = q["bucket"].astype("int64")
     stats = stats.merge(q, on=["rollout", "scorer", "bucket"], how="left")
     return complete_buckets(stats, buckets, edges, ["rollout", "scorer"], COUNTS)[VOLATILITY_COLUMNS]
 
@@ -107,3 +143,67 @@ def complete_buckets(stats: pd.DataFrame, scale: str, edges, keys: list[str], co
     full[list(counts)] = full[list(counts)].fillna(0).astype("int64")
     full["scale"] = scale
     return full.sort_values([*keys, "bucket"], kind="stable").reset_index(drop=True)
+
+
+@dataclass(frozen=True)
+class PairTokens:
+    """One pair's per-token inputs of its volatility tables (`pair_tokens`), as an Arrow table."""
+
+    rollout: str
+    scorer: str
+    table: object  # pyarrow.Table: lmu, lpi, finite and PAIR_OPTIONAL's columns the pair has values of
+
+
+def pair_tokens(con: duckdb.DuckDBPyConnection, rollout: str, scorer: str) -> PairTokens | None:
+    """The rows `volatility_table(con, rollout=rollout, scorer=scorer)` reads, in one pass over the join of
+    the pair's tokens and scores, reduced to what its statistics are computed from: log mu, log pi, finite,
+    the top-K TV (computed from the lists) and the stored exact TV on the rows the table reads it from.
+    None when the store holds no scored tokens."""
+    rows = Rows(con, Filters.make(rollout, scorer))
+    if not rows.ok:
+        return None
+    rel, params = rows.sql["rollout"]
+    sql = f"SELECT lmu, lpi, finite, topk_tv, CASE WHEN {EXACT_OK} THEN tv_exact END AS tv_exact FROM ({rel})"
+    table = con.sql(sql, params=_used(sql, params)).to_arrow_table()
+    unused = [c for c in PAIR_OPTIONAL if table[c].null_count == table.num_rows]
+    return PairTokens(rollout, scorer, table.drop_columns(unused))
+
+
+def volatility_of_pair(
+    tokens: PairTokens | None,
+    buckets: str = "linear",
+    n_buckets: int | None = None,
+    eps_low: float = d.EPS_LOW,
+    eps_high: float = d.EPS_HIGH,
+) -> pd.DataFrame:
+    """`volatility_table(con, rollout=..., scorer=..., buckets=..., ...)` of the pair whose `pair_tokens`
+    these are, without the store: one GROUP BY over them in an in-memory DuckDB, with the same SQL of the
+    metrics (relations.with_metrics), the buckets (definitions.bucket_sql), the sums (rows.sums_sql) and
+    the quantiles (quantile_cont, which analysis.quantiles reproduces bit for bit)."""
+    edges = d.bucket_edges(buckets, n_buckets)  # validates `buckets`
+    n = len(edges) - (1 if buckets == "log" else 0)
+    if tokens is None or tokens.table.num_rows == 0:
+        return empty(VOLATILITY_COLUMNS)
+    t = Thresholds(clip_low=1.0 - eps_low, clip_high=1.0 + eps_high)
+    has = set(tokens.table.column_names)
+    topk = "{'tv': topk_tv, 'kl': CAST(NULL AS DOUBLE)}" if "topk_tv" in has else typed_null("STRUCT(tv DOUBLE, kl DOUBLE)")
+    base = f"SELECT lmu, lpi, finite, {'tv_exact' if 'tv_exact' in has else typed_null('DOUBLE')} AS tv_exact, " \
+           f"{topk} AS topk FROM _ml_pair"  # fmt: skip
+    absent = ["entropy", *(key for c, key in PAIR_OPTIONAL.items() if c not in has)]
+    sql = f"""SELECT * EXCLUDE (_r), {', '.join(f'_r[{i + 1}] AS {c}' for i, c in enumerate(R_QUANTILE_COLUMNS))}
+              FROM (SELECT coalesce({d.bucket_sql(buckets, n)}, {NONFINITE_BUCKET}) AS bucket,
+                           {sums_sql(t, VOLATILITY_SUMS, absent)},
+                           quantile_cont(r, {list(d.RATIO_QUANTILES)}) AS _r,
+                           quantile_cont(btv, 0.99) AS binary_tv_p99, quantile_cont(topk_tv, 0.99) AS topk_tv_p99,
+                           quantile_cont(CASE WHEN {EXACT_OK} THEN tv_exact END, 0.99) AS tv_exact_vs_ref_p99
+                    FROM ({with_metrics(base, STORED_METRICS)}) GROUP BY ALL)"""
+    mem = duckdb.connect()
+    try:
+        mem.register("_ml_pair", tokens.table)
+        got = mem.execute(sql).df()
+    finally:
+        mem.close()
+    for i, (name, label) in enumerate((("rollout", tokens.rollout), ("scorer", tokens.scorer))):
+        got.insert(i, name, pd.Series(label, index=got.index, dtype=object))  # as volatility_table's labels
+    got["bucket"] = got["bucket"].astype("int64")
+    return _table(got, got.drop(columns=list(VOLATILITY_SUMS)), buckets, edges)

@@ -9,8 +9,8 @@ import pandas as pd
 import pytest
 from analysis_reference import naive_rows, row_of
 
+from mismatch_lab.analysis import browse, quantiles, volatility
 from mismatch_lab.analysis import definitions as d
-from mismatch_lab.analysis import quantiles
 from mismatch_lab.analysis.rows import Rows
 from mismatch_lab.analysis.volatility import VOLATILITY_COLUMNS, volatility_table
 from mismatch_lab.store.reader import open_store
@@ -137,3 +137,74 @@ def test_without_top_k_or_exact_tv_those_columns_are_empty(plain_con):
 def test_an_unknown_bucket_scale_is_refused(con):
     with pytest.raises(ValueError, match="linear' or 'log"):
         volatility_table(con, buckets="quadratic")
+
+
+# -- one pair's tables from its tokens (the app's Volatility page) ----------------------------------------
+
+MEANS = ["mu_mean", "r_mean", "r_std", "binary_tv_mean", "topk_tv_mean", "tv_exact_vs_ref_mean"]
+EPS = float(np.finfo(np.float64).eps)
+
+
+def assert_same_table(got: pd.DataFrame, want: pd.DataFrame) -> None:
+    """Every column and dtype bit for bit but the means and the std, which divide sums: DuckDB adds a sum's
+    terms in no fixed order (two runs of volatility_table on the same 500,000 tokens differ in the last bit),
+    so each side's sum of n terms carries up to n - 1 roundings of u = EPS / 2 of the sum of its |terms|.
+    Hence: a mean of n non-negative terms within (n + 1) EPS relative; r_mean = 1 + sum(r - 1) / n within
+    n EPS rms + 2 EPS r_mean absolute (sum |r - 1| <= n rms, rms = sqrt(mean (r - 1)^2)); the variance, a
+    difference of two such sums over n - 1, within 4 n EPS rms^2, so the std within the smaller of its square
+    root and it divided by the std."""
+    assert list(got.columns) == list(want.columns) == VOLATILITY_COLUMNS
+    exact = [c for c in VOLATILITY_COLUMNS if c not in MEANS]
+    pd.testing.assert_frame_equal(got[exact], want[exact], check_exact=True)
+    assert got[MEANS].dtypes.tolist() == want[MEANS].dtypes.tolist()
+    n = want["n_tokens"].to_numpy(float)
+    for c in ("mu_mean", "binary_tv_mean", "topk_tv_mean", "tv_exact_vs_ref_mean"):
+        _close(got[c], want[c], (n + 1) * EPS * want[c].abs().to_numpy(), c)
+    mean, std = want["r_mean"].to_numpy(float), want["r_std"].fillna(0).to_numpy(float)
+    rms2 = np.where(n > 1, std**2 * (n - 1) / np.maximum(n, 1), 0) + (mean - 1) ** 2
+    _close(got["r_mean"], want["r_mean"], n * EPS * np.sqrt(rms2) + 2 * EPS * np.abs(mean), "r_mean")
+    dvar = 4 * n * EPS * rms2
+    with np.errstate(divide="ignore", invalid="ignore"):
+        _close(got["r_std"], want["r_std"], np.fmin(np.sqrt(dvar), dvar / std) + EPS * std, "r_std")
+
+
+def _close(got: pd.Series, want: pd.Series, atol: np.ndarray, name: str) -> None:
+    g, w = got.to_numpy(float), want.to_numpy(float)
+    assert np.array_equal(np.isnan(g), np.isnan(w)), name
+    ok = np.isnan(w) | (np.abs(g - w) <= atol)
+    assert ok.all(), f"{name}: {g[~ok]} vs {w[~ok]} (allowed {atol[~ok]})"
+
+
+SETTINGS = [("linear", None, 0.2, 0.28), ("linear", 4, 0.1, 0.28), ("linear", 40, 0.2, 0.05), ("log", None, 0.1, 0.28),
+            ("log", 5, 0.2, 0.05)]  # fmt: skip
+
+
+def test_a_pairs_table_from_its_tokens_is_the_volatility_table_at_every_bucketing(con, plain_con):
+    """Every setting on a pair of the full store with top-K, exact TV, non-finite scores and rollout log-probs
+    (the 'mu non-finite' row); one setting each on its other pairs and on the plain store's pair (neither
+    top-K nor exact TV: pair_tokens keeps no such column)."""
+    cases = []
+    for c in (con, plain_con):
+        pairs = browse.list_pairs(c)
+        cases += [(c, rollout, scorer) for rollout, scorer in zip(pairs["rollout"], pairs["scorer"], strict=True)]
+    first = (con, "vllm:bf16", "hf:bf16")
+    cases.remove(first)
+    kinds = set()
+    for i, (c, rollout, scorer) in enumerate([first, *cases]):
+        tokens = volatility.pair_tokens(c, rollout, scorer)
+        for scale, n_buckets, eps_low, eps_high in SETTINGS if i == 0 else [SETTINGS[i % len(SETTINGS)]]:
+            got = volatility.volatility_of_pair(tokens, scale, n_buckets, eps_low, eps_high)
+            want = volatility_table(c, rollout=rollout, scorer=scorer, buckets=scale, n_buckets=n_buckets,
+                                    eps_low=eps_low, eps_high=eps_high)
+            assert_same_table(got, want)
+            kinds.add((tuple(tokens.table.column_names), bool((want["bucket"] == -1).any()), i == 0))
+    assert {names for names, _, _ in kinds} == {("lmu", "lpi", "finite", "topk_tv", "tv_exact"), ("lmu", "lpi", "finite")}
+    assert (("lmu", "lpi", "finite", "topk_tv", "tv_exact"), True, True) in kinds
+
+
+def test_a_pair_without_tokens_has_an_empty_table_as_the_volatility_table(con):
+    tokens = volatility.pair_tokens(con, "sglang:fp8", "hf:fp32")
+    assert tokens.table.num_rows == 0
+    got = volatility.volatility_of_pair(tokens, "log", 6)
+    want = volatility_table(con, rollout="sglang:fp8", scorer="hf:fp32", buckets="log", n_buckets=6)
+    assert got.empty and want.empty and list(got.columns) == list(want.columns) == VOLATILITY_COLUMNS

@@ -247,7 +247,8 @@ def test_the_warm_up_computes_exactly_what_the_pages_ask_for(monkeypatch, own_st
 
     for module, name in [
         (precision, "precision_table"),
-        (volatility, "volatility_table"),
+        (volatility, "volatility_of_pair"),
+        (volatility, "pair_tokens"),
         (clipping, "clipping_by_category"),
         (clipping, "top_clipped_tokens"),
         (browse, "worst_sequences"),
@@ -256,13 +257,15 @@ def test_the_warm_up_computes_exactly_what_the_pages_ask_for(monkeypatch, own_st
         counting(module, name)
     lab_ui._warm(str(own_store))  # what the background thread runs
     warmed = dict(calls)
-    # 3 pairs: volatility linear + log, clipping and top tokens each; worst sequences overall + per scorer;
+    # 3 pairs: volatility linear + log (from the pair's tokens, read once), clipping and top tokens each; worst
+    # sequences overall + per scorer;
     # the precision table twice: the Overview's table and the Doctor section's checks; the comparison twice:
     # the Corrections page's of every method, the Doctor section's of the methods it may advise (their
     # dropped-sequence shares, doctor/measure.py)
     assert warmed == {
         "precision_table": 2,
-        "volatility_table": 6,
+        "volatility_of_pair": 6,
+        "pair_tokens": 3,
         "clipping_by_category": 3,
         "top_clipped_tokens": 3,
         "worst_sequences": 3,
