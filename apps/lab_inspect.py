@@ -25,6 +25,25 @@ BY_RUN = "By run and sequence"  # the inspector's radio option for a picked run 
 ALL_STEPS = "all steps"
 
 
+OPEN_KEY = "insp_open"  # set by a button's callback: the entry script switches to the inspector before any page runs
+
+
+def open_on(state: dict, drop: tuple = ()) -> None:
+    """A button's `on_click` that opens the inspector on `state` (its widgets' keys: run, step, sequence, ...),
+    forgetting the keys `drop`. The entry script switches page before the page holding the button runs again
+    (`switch_if_asked`): a click costs the inspector's run only, not the other page's as well."""
+    st.session_state.update(state)
+    for key in drop:
+        st.session_state.pop(key, None)
+    st.session_state[OPEN_KEY] = True
+
+
+def switch_if_asked() -> None:
+    """In the entry script, right after `st.navigation`: switch to the inspector when a button asked for it."""
+    if st.session_state.pop(OPEN_KEY, False):
+        st.switch_page(PAGE)
+
+
 def steps_of(path: str, run_id: str) -> pd.DataFrame:
     """The run's training steps (`browse.training_steps`; per unit on a shard store, as the Training page)."""
     return lab_ui.training("training_steps", run_id, path=path)

@@ -18,6 +18,7 @@ APP_DIR = Path(__file__).resolve().parent
 if str(APP_DIR) not in sys.path:  # `streamlit run` adds it; AppTest and other runners may not
     sys.path.insert(0, str(APP_DIR))
 
+import lab_inspect
 import lab_ui
 import streamlit as st
 
@@ -39,5 +40,6 @@ PAGES = {
 }
 
 page = st.navigation(PAGES)
+lab_inspect.switch_if_asked()  # a button's click that opens the token inspector: before any page runs again
 lab_ui.sidebar_store_picker()
 page.run()

@@ -240,7 +240,6 @@ st.dataframe(
                    "ratio": st.column_config.NumberColumn("r = π/μ", format="%.4g")},
 )
 lab_inspect.prefetch(run_id, seq_id=seq_id, scorer=scorer, focus=first_pos)  # (computed in the background)
-if st.button(f"Open sequence {seq_id} of {run_id} in the token inspector", type="primary"):
-    st.session_state.update(insp_mode=INSPECTOR_RUN_MODE, insp_run=run_id, insp_step="all steps", insp_seq=seq_id,
-                            insp_scorer=scorer, insp_focus_pos=first_pos)
-    st.switch_page("app_pages/inspector.py")
+st.button(f"Open sequence {seq_id} of {run_id} in the token inspector", type="primary", on_click=lab_inspect.open_on,
+          args=({"insp_mode": INSPECTOR_RUN_MODE, "insp_run": run_id, "insp_step": "all steps", "insp_seq": seq_id,
+                 "insp_scorer": scorer, "insp_focus_pos": first_pos},))

@@ -99,7 +99,5 @@ else:
 st.dataframe(lab_ui.training("list_sequences", run_id, step=int(step)), hide_index=True)
 
 lab_inspect.prefetch(run_id, step=int(step))  # what the inspector shows of the step, computed in the background
-if st.button(f"Open step {step} in the token inspector", type="primary"):
-    st.session_state.update(insp_mode=lab_inspect.BY_RUN, insp_run=run_id, insp_step=int(step))
-    st.session_state.pop("insp_seq", None)
-    st.switch_page(lab_inspect.PAGE)
+st.button(f"Open step {step} in the token inspector", type="primary", on_click=lab_inspect.open_on,
+          args=({"insp_mode": lab_inspect.BY_RUN, "insp_run": run_id, "insp_step": int(step)}, ("insp_seq",)))

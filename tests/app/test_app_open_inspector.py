@@ -83,7 +83,8 @@ def _click(at, label: str) -> None:
     assert [t.value for t in at.title] == ["Token inspector"]
 
 
-def test_the_step_button_opens_the_inspector_on_look_ups_its_prefetch_computed(recorded, monkeypatch, computed):
+def test_the_step_button_opens_the_inspector_on_look_ups_its_prefetch_computed(recorded, monkeypatch, lab_ui,
+                                                                                computed):
     at = open_page(recorded, monkeypatch, "training")
     computed.clear()
     _click(at, f"Open step {STEPS - 1} in the token inspector")  # no prefetch: the click computes the sequence
@@ -95,8 +96,12 @@ def test_the_step_button_opens_the_inspector_on_look_ups_its_prefetch_computed(r
     at.select_slider(key="train_step:steps").set_value(0).run()  # draws the button of step 0: its prefetch
     _join_prefetches()
     computed.clear()
+    looked_up = []
+    training = lab_ui.training
+    monkeypatch.setattr(lab_ui, "training", lambda name, *a, **k: looked_up.append(name) or training(name, *a, **k))
     _click(at, "Open step 0 in the token inspector")
     assert computed == []
+    assert "train_runs" not in looked_up and "training_steps" in looked_up  # the Training page did not run again
     picker = next(s for s in at.selectbox if s.label == "Sequence")
     first = browse.list_sequences(open_store(recorded), "steps", step=0).query("response_len > 0")["seq_id"].iloc[0]
     assert picker.value == first != shown and at.selectbox(key="insp_step").value == 0
