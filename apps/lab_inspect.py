@@ -5,7 +5,8 @@ the button causes finds them cached.
 Which sequence, scorer and token the inspector opens on is decided here too (`listed`, `scorer_of`,
 `start_pos`), so the prefetch asks for exactly what the page will show: the same functions with the same
 arguments hit the same caches (`lab_ui.query`'s, and on a shard store the Training page's per-unit look-ups of
-a run's steps and of one step's sequences, `lab_ui.training`).
+a run's steps and of one step's sequences, `lab_ui.training`). The click opens the inspector without running
+the page that holds the button again (`open_on`, `switch_if_asked`).
 """
 
 from __future__ import annotations
@@ -23,8 +24,6 @@ from mismatch_lab.errors import UserError
 PAGE = "app_pages/inspector.py"
 BY_RUN = "By run and sequence"  # the inspector's radio option for a picked run and sequence
 ALL_STEPS = "all steps"
-
-
 OPEN_KEY = "insp_open"  # set by a button's callback: the entry script switches to the inspector before any page runs
 
 
