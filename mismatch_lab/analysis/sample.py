@@ -19,12 +19,10 @@ def sampled(cur, every: int, pair: tuple[str, str] | None = None):
     """`cur` with temporary views `sequences`, `tokens`, `scores` that keep the prompt groups whose hash falls
     in 1 of `every`, with all their sequences, tokens and scores; with `pair` (rollout, scorer) also `runs` and
     `scores` of that pair only. The views live with the cursor (use a fresh cursor per sample)."""
-    from mismatch_lab.analysis.relations import col, table_columns
     from mismatch_lab.store.schema import rollout_label_sql
 
     db = cur.execute("SELECT current_database()").fetchone()[0].replace('"', '""')
-    qc = table_columns(cur, "sequences")
-    key = f"hash(q.run_id, {col(qc, 'q', 'step', 'INTEGER')}, {col(qc, 'q', 'prompt_id', 'VARCHAR')})"
+    key = group_key_sql(cur)
     cur.execute(f'CREATE TEMP VIEW sequences AS SELECT q.* FROM "{db}".main.sequences q WHERE {key} % {int(every)} = 0')
     rollout, scorer = ("'" + str(x).replace("'", "''") + "'" for x in pair) if pair else (None, None)  # SQL literals
     for table in ("tokens", "scores"):
@@ -35,6 +33,15 @@ def sampled(cur, every: int, pair: tuple[str, str] | None = None):
         cur.execute(f'CREATE TEMP VIEW runs AS SELECT runs.* FROM "{db}".main.runs runs '
                     f"WHERE {rollout_label_sql('runs')} = {rollout}")
     return cur
+
+
+def group_key_sql(cur) -> str:
+    """SQL: the hash of a sequence's (alias q) prompt group, (run_id, step, prompt_id); `sampled` keeps the groups
+    whose hash is 0 modulo its stride."""
+    from mismatch_lab.analysis.relations import col, table_columns
+
+    qc = table_columns(cur, "sequences")
+    return f"hash(q.run_id, {col(qc, 'q', 'step', 'INTEGER')}, {col(qc, 'q', 'prompt_id', 'VARCHAR')})"
 
 
 def sample_size(con) -> dict:

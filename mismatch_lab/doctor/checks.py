@@ -116,10 +116,11 @@ DETAILS = {
 }
 
 
-def check_rows(check: Check, table: pd.DataFrame) -> list[dict]:
-    """One row per pair of `table` whose value is a number: the judged check (module doc)."""
+def check_rows(check: Check, table: pd.DataFrame, records: list[dict] | None = None) -> list[dict]:
+    """One row per pair of `table` whose value is a number: the judged check (module doc). `records`: the table's
+    rows as dicts, where the caller has them (one conversion a measurement, not one a check)."""
     out = []
-    for row in table.to_dict("records"):
+    for row in table.to_dict("records") if records is None else records:
         value = row.get(check.column)
         judged = row.get(check.judged or check.column)
         if value is None or judged is None or (isinstance(judged, float) and math.isnan(judged)):
@@ -138,10 +139,12 @@ def run_checks(m: Measurements, names: tuple[str, ...] | None = None) -> tuple[l
     a check no row of the store gives a number for, and, per pair, a check the store holds the pair for but
     without a number (e.g. every sequence of the pair holds a non-finite row); such a pair fails the check's
     gates (`verdicts.gate_status`): a gate never passes a pair it did not measure."""
-    rows, missing = [], []
+    rows, missing, records = [], [], {}
     for check in CHECKS if names is None else [BY_NAME[n] for n in names]:
         table = m.get(check.measure)
-        found = check_rows(check, table)
+        if check.measure not in records:
+            records[check.measure] = table.to_dict("records")
+        found = check_rows(check, table, records[check.measure])
         rows += found
         if table.empty:
             if check.only_some_runs:
@@ -150,7 +153,7 @@ def run_checks(m: Measurements, names: tuple[str, ...] | None = None) -> tuple[l
                             "gates": list(check.gates)})
             continue
         measured = {r["pair"] for r in found}
-        for pair in dict.fromkeys(_label(r) for r in table.to_dict("records")):
+        for pair in dict.fromkeys(_label(r) for r in records[check.measure]):
             if pair not in measured:
                 missing.append({"check": check.name, "title": check.title, "pair": pair, "gates": list(check.gates),
                                 "needs": f"finite values of {pair} (none of its rows or sequences gave one)"})

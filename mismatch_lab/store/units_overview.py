@@ -14,6 +14,7 @@ What is kept per unit (`QUERIES`, computed together on one connection over the u
     nemo_rl        `nemo_rl_metric.nemo_rl_table` (per run, pair and step)
     flags          per unit: rows of what a per-unit merge does not reproduce (routing rows, a stored exact TV,
                    a stored log S); where any unit has one, the doctor falls back to the whole store
+    groups         per unit: the hash of each prompt group (which units a sample of prompt groups reads)
 Every sequence of a shard unit carries the unit's step, and its token and score rows lie in the unit (the writers
 write them together): a unit's rows are split off by the sequences' (run_id, step). The runs' own columns, the
 skipped prompts and the batch-invariance runs come from the run rows alone (a connection over no unit). A unit
@@ -25,7 +26,9 @@ whole prompt groups, 1 in `measure.sample_every` (a power of two: it changes onl
 method's rule decides each sequence from its prompt group alone (`corrections.compare` runs it chunk by chunk
 of whole sequences), and a prompt group lies in one unit, so the counts of disjoint sets of units add up
 (`_corrections`): each set of units computed together (the first load: all; a refresh: its new units) is kept
-as one part, under its units' fingerprints and the stride; a part whose unit changed is computed again.
+as one part, under its units' fingerprints and the stride; a part whose unit changed is computed again. Only
+the units holding a sampled prompt group are compared (the hashes of each unit's groups are kept per unit,
+`groups`): a refresh whose new steps hold none compares nothing.
 """
 
 from __future__ import annotations
@@ -125,6 +128,14 @@ def flags(con) -> pd.DataFrame:
         FROM sequences q LEFT JOIN s USING (run_id, seq_id) LEFT JOIN r USING (run_id, seq_id) GROUP BY ALL""")
 
 
+def groups(con) -> pd.DataFrame:
+    """Per unit, the hash of each of its prompt groups (`sample.group_key_sql`): which units a sample keeps rows of."""
+    from mismatch_lab.analysis.relations import query
+    from mismatch_lab.analysis.sample import group_key_sql
+
+    return query(con, f"SELECT DISTINCT q.run_id, q.step, {group_key_sql(con)} AS h FROM sequences q")
+
+
 SEQ_ORDER = ("rollout", "scorer", "run_id", "seq_id")
 QUERIES = {
     "unit_counts": UnitQuery(unit_counts, ("run_id", "step")),
@@ -134,6 +145,7 @@ QUERIES = {
     "seq_doctor": UnitQuery(seq_doctor, SEQ_ORDER),
     "nemo_rl": UnitQuery(nemo_rl, ("run_id", "rollout", "scorer", "step")),
     "flags": UnitQuery(flags, ("run_id", "step")),
+    "groups": UnitQuery(groups, ("run_id", "step", "h")),
 }
 
 
@@ -180,11 +192,23 @@ def _sequences(source, results, name: str) -> pd.DataFrame:
 
 
 def precision_table(source: ShardUnits, results: cache.ResultsCache) -> pd.DataFrame:
-    """`precision.precision_table` of a shard store, from the units' sums and sequences."""
+    """`precision.precision_table` of a shard store, from the units' sums and sequences (merged once per
+    snapshot: the page's table and the doctor's pairs read the same)."""
     from mismatch_lab.analysis.precision import precision_from
 
-    sums = by_unit(source, results, "pair_sums")
-    return precision_from(sums, _sequences(source, results, "seq_drift"))
+    fps = source.fingerprints()
+    with _MEMO_LOCK:
+        memo = _MEMO.get(source.key)
+    if memo is None or memo[0] != fps:
+        sums = by_unit(source, results, "pair_sums")
+        memo = (fps, precision_from(sums, _sequences(source, results, "seq_drift")))
+        with _MEMO_LOCK:
+            _MEMO[source.key] = memo
+    return memo[1].copy()
+
+
+_MEMO: dict[str, tuple[dict, pd.DataFrame]] = {}  # store -> (fingerprints, its precision table)
+_MEMO_LOCK = threading.Lock()
 
 
 def _exact(source: ShardUnits, results: cache.ResultsCache) -> bool:
@@ -328,7 +352,10 @@ def _corrections(source: ShardUnits, results: cache.ResultsCache) -> pd.DataFram
     kept = [(units, counts) for units, counts in parts if all(fps.get(u) == fp for u, fp in units.items())]
     todo = sorted(set(fps) - {u for units, _ in kept for u in units})
     if todo or not kept:
-        kept.append(({u: fps[u] for u in todo}, _counts(source, todo, every)))
+        found = by_unit(source, results, "groups")
+        found = found[found["h"].astype("uint64") % every == 0]  # the units holding a sampled prompt group
+        sampled = sorted(set(todo) & set(zip(found["run_id"], found["step"].astype("int64"))))
+        kept.append(({u: fps[u] for u in todo}, _counts(source, sampled, every)))
         if len(kept) > MAX_PARTS:  # one part of them all: a refresh then merges few frames
             kept = [({u: fp for units, _ in kept for u, fp in units.items()}, _summed([c for _, c in kept]))]
         results.put(query, "parts", kept)
@@ -346,12 +373,15 @@ COUNT_KEYS = ["method", "rollout", "scorer"]
 
 def _counts(source: ShardUnits, todo: list, every: int) -> pd.DataFrame:
     """Per (method, pair): sequences compared and dropped whole, and the note, on the units `todo` sampled 1 in
-    `every` prompt groups (`corrections.compare` at the published defaults, the methods doctor may advise)."""
+    `every` prompt groups (`corrections.compare` at the published defaults, the methods doctor may advise): on a
+    connection of their own, the sample's views over the units' views."""
     from mismatch_lab.analysis import sample
     from mismatch_lab.corrections.compare import compare
     from mismatch_lab.doctor.recommend import ADVISABLE
     from mismatch_lab.store import reader
 
+    if not todo:  # no sampled prompt group among them: nothing compared
+        return pd.DataFrame(columns=[*COUNT_KEYS, "note", "n_seqs", "n_seqs_masked"])
     con = reader._open_parquet_dir(source.scan.root, source.scan.files(source.snap, todo))
     try:
         table = compare(con if every == 1 else sample.sampled(con.cursor(), every), methods=ADVISABLE)["corrections"]
