@@ -193,10 +193,12 @@ def corrections_of(path: str | None = None):
     """The Corrections page's tables: every method of the registry on every pair, published defaults."""
     from mismatch_lab.corrections.layout import pair_info
 
-    if _call(path or store(), pair_info).empty:
+    path = path or store()
+    if _call(path, pair_info).empty:
         return None
-    tables = _call_named(path or store(), COMPARE, "compare", overrides=None)
-    _EXACT_DONE[(path or store(), fingerprint(path or store()), ())] = time.monotonic()  # the page shows it now on
+    _compare_keeping_drops(path, None, None, None)
+    tables = _call_named(path, COMPARE, "compare", overrides=None)
+    _EXACT_DONE[(path, fingerprint(path), ())] = time.monotonic()  # the page shows it now on
     return tables
 
 
@@ -234,12 +236,50 @@ def corrections_sample_every(path: str | None = None) -> int:
     return stride(_call(path or store(), sample_size)["tokens"], CORRECTIONS_SAMPLE_TOKENS)
 
 
+def _compare_keeping_drops(path: str, every: int | None, pair: tuple | None, overrides) -> None:
+    """Into the results cache, when it lacks them: the comparison (of every token: every None; else of the
+    sample's `pair`), under the key its cached call reads, and from the same pass each pair's dropped tokens
+    (`dropped.PairDrops`, for `dropped_tokens_of`): the rules then run once for both."""
+    fp = fingerprint(path)
+    kwargs = (("overrides", overrides),) if every is None else (("overrides", overrides or None),)
+    query = (COMPARE, "compare", (), kwargs) if every is None else ("sample", every, pair, COMPARE, "compare", (), kwargs)
+    if disk(path).has(query, fp):
+        return
+
+    def compute():
+        from mismatch_lab.corrections.dropped import compare_with_drops
+
+        def work(cur):
+            return compare_with_drops(cur if every is None else sampled(cur, every, pair), overrides=overrides or None)
+
+        tables, drops = _on_store(path, work, fp)
+        for p, d in drops.items():
+            disk(path).put(_drops_query(every, p, overrides), fp, d)
+        return tables
+
+    _fetch(path, query, fp, compute)
+
+
+def _drops_query(every: int | None, pair: tuple, overrides) -> tuple:
+    return ("corrections.drops", every, tuple(pair), _frozen(overrides))
+
+
+@st.cache_resource(ttl=TTL_S, show_spinner=False, max_entries=16)
+def _drops_at(path: str, fp: str, query: tuple):
+    """A pair's PairDrops from the results cache (~21 bytes a token: ~0.03 s for 500,000), shared by the sessions
+    and never copied (read only); None when it is not there."""
+    value = disk(path).get(query, fp)
+    return None if value is cache.MISSING else value
+
+
 def _exact_tables(path: str, overrides):
     """Every method on every token of the store (cached), or None when it has no (rollout, scorer) pair."""
     from mismatch_lab.corrections.layout import pair_info
 
     if overrides and _call(path, pair_info).empty:
         return None
+    if overrides:
+        _compare_keeping_drops(path, None, None, overrides)
     tables = _call_named(path, COMPARE, "compare", overrides=overrides) if overrides else corrections_of(path)
     if tables is not None:
         _EXACT_DONE[(path, fingerprint(path), _frozen(overrides))] = time.monotonic()
@@ -293,13 +333,20 @@ def corrections_tables(overrides, rollout: str, scorer: str, sample: dict | None
     or of the sample (that pair only)."""
     if sample is None:
         return _exact_tables(store(), overrides)
+    _compare_keeping_drops(store(), sample["every"], (rollout, scorer), overrides)
     kwargs = (("overrides", overrides or None),)
     return _cached_sample(store(), sample["every"], (rollout, scorer), COMPARE, "compare", (), kwargs)
 
 
 def dropped_tokens_of(method: str, rollout: str, scorer: str, overrides, sample: dict | None):
-    """The tokens `method` drops on the pair, on the same tokens as the comparison shown (the sample's, if any).
+    """The tokens `method` drops on the pair, on the same tokens as the comparison shown (the sample's, if any):
+    read off the decisions the comparison kept (`_compare_keeping_drops`), else computed (its rule on the pair).
     Named, not imported: the module imports torch, which a cached result does not need."""
+    path, fp = store(), fingerprint(store())
+    query = _drops_query(None if sample is None else sample["every"], (rollout, scorer), overrides)
+    drops = _drops_at(path, fp, query) if disk(path).has(query, fp) else None
+    if drops is not None:
+        return drops.tokens(method)
     module = "mismatch_lab.corrections.dropped"
     if sample is None:
         return _call_named(store(), module, "dropped_tokens", method, rollout, scorer, overrides=overrides or None)
@@ -431,17 +478,11 @@ def _warm(path: str) -> None:
         _keep_pair_tokens(path, pair.rollout, pair.scorer)
     for scorer in sorted(set(pairs["scorer"])):
         worst_of(scorer, path=path)
-    tables = corrections_of(path)
-    if tables is not None:  # per pair, the tokens the Corrections page lists at a pair change: those its first
-        # dropping method drops, and those any other pair's first drops (the page keeps a method across pairs)
-        from mismatch_lab.corrections import dropped
-
-        main = tables["corrections"]
-        by_pair = main[(main["note"] == "") & (main["frac_tokens_masked"] > 0)].groupby(["rollout", "scorer"])
-        firsts = set(by_pair["method"].first())
-        for (rollout, scorer), rows in by_pair:
-            for method in dict.fromkeys([rows["method"].iloc[0], *(m for m in rows["method"] if m in firsts)]):
-                _call(path, dropped.dropped_tokens, method, rollout, scorer, overrides=None)
+    if corrections_of(path) is not None:  # (with every method's dropped tokens of every pair: one pass)
+        every = corrections_sample_every(path)
+        if every > 1:  # what an override opens on (the sample: corrections_pairs), the same for any override
+            _cached_sample(path, every, None, "mismatch_lab.corrections.layout", "pair_info", (), ())
+            _cached_sample(path, every, None, sample_size.__module__, "sample_size", (), ())
         # last, the rules' modules (torch: ~1.5 CPU s), which a cached result does not import: another dropping
         # method or an override, computed on demand, then costs only its rule. Only once no page has queried for
         # IMPORT_QUIET_S: the page's rendering goes on after its last query, and beside a page's first load on 2

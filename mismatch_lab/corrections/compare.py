@@ -59,15 +59,16 @@ def variants(overrides: Mapping[str, Mapping[str, float]] | None = None) -> list
 
 def compare(con, *, overrides=None, chunk_tokens: int = 1 << 20,
             progress: Callable[[int, int], None] | None = None,
-            methods: Collection[str] | None = None) -> dict[str, pd.DataFrame]:
+            methods: Collection[str] | None = None, record=None) -> dict[str, pd.DataFrame]:
     """Tables `corrections` (one row per method and pair) and `by_adv_sign`, `by_mu_bucket`,
     `by_category` (the same per split value) of the store on `con`. progress(tokens done, total).
-    `methods`: only these labels (each row is computed alone, so it equals the full comparison's row)."""
+    `methods`: only these labels (each row is computed alone, so it equals the full comparison's row).
+    `record`: a dropped.DropRecorder, given every method's keep flag of every token on the way."""
     from mismatch_lab.corrections.layout import pair_info
 
     vs = [v for v in variants(overrides) if methods is None or v.label in methods]
     info = pair_info(con)
-    acc = _Accumulator(vs)
+    acc = _Accumulator(vs, record)
     for chunk in chunks(con, info, chunk_tokens=chunk_tokens, progress=progress):
         acc.add(chunk)
     return acc.tables(info)
@@ -77,8 +78,9 @@ class _Accumulator:
     """Additive sums per (variant, pair, sign, μ bucket, category) and sequence counts per (variant, pair, sign):
     per chunk and variant, np.bincount over group ids (maxima by reduceat); frames built once at the end."""
 
-    def __init__(self, vs: list[Variant]):
+    def __init__(self, vs: list[Variant], record: Callable[[Chunk], Callable[[str], np.ndarray]] | None = None):
         self.vs = vs
+        self.record = record  # chunk -> (variant label -> the [n] array its keep flags go into): dropped.py
         self.tokens: list[tuple[pd.DataFrame, dict]] = []
         self.seqs: list[tuple[pd.DataFrame, dict]] = []
 
@@ -88,10 +90,11 @@ class _Accumulator:
         parts = list(chunk.parts(gid, len(tok), sid))  # laid out once, read by every variant
         n_tokens = np.bincount(gid, minlength=len(tok))
         n_seqs = np.bincount(sid, minlength=len(seq))
+        keep_of = self.record(chunk) if self.record is not None else None
         for v in self.vs:
             if "topk" in v.method.needs and chunk.topk is None:
                 continue
-            sums, x_w, dropped = _run(v, parts, len(tok), len(seq))
+            sums, x_w, dropped = _run(v, parts, len(tok), len(seq), None if keep_of is None else keep_of(v.label))
             self.tokens.append((tok, {"label": v.label, "n_tokens": n_tokens, **sums, "x_w": x_w}))
             self.seqs.append((seq, {"label": v.label, "n_seqs": n_seqs, "n_seqs_masked": dropped}))
 
@@ -117,10 +120,12 @@ def _groups(keys: pd.DataFrame) -> tuple[pd.DataFrame, np.ndarray]:
     return g.size().reset_index()[list(keys.columns)], g.ngroup().to_numpy()
 
 
-def _run(v: Variant, parts: list, n_groups: int, n_seq_groups: int) -> tuple[dict, np.ndarray, np.ndarray]:
+def _run(v: Variant, parts: list, n_groups: int, n_seq_groups: int,
+         keep_out: np.ndarray | None = None) -> tuple[dict, np.ndarray, np.ndarray]:
     """Variant v on every part of a chunk, counted on the padded tensors per token group: n_masked, n_changed
     (kept with w ≠ r), s_w, s_w2 (kept); x_w the kept maximum per group; and sequences dropped whole per
-    sequence group. Padding cells fall in the extra group n_groups, dropped at the end."""
+    sequence group. Padding cells fall in the extra group n_groups, dropped at the end. `keep_out` [n]: filled
+    with each token's keep flag M, in the chunk's flat order."""
     import torch
 
     sums = {k: torch.zeros(n_groups + 1, dtype=torch.float64) for k in ("n_masked", "n_changed", "s_w", "s_w2")}
@@ -131,6 +136,8 @@ def _run(v: Variant, parts: list, n_groups: int, n_seq_groups: int) -> tuple[dic
         with torch.no_grad():
             d = v.method.rule(b, v.params)
         keep = d.keep
+        if keep_out is not None:
+            keep_out[part.index] = keep[b.mask].numpy()
         w = torch.where(keep, d.weight, 0.0)
         cells = {"n_masked": b.mask & ~keep, "n_changed": keep & (d.weight != b.r), "s_w": w, "s_w2": w * w}
         for k, x in cells.items():

@@ -3,17 +3,103 @@ from the comparison to the token inspector.
 
 The method's rule runs exactly as in compare.py (the same chunks of whole sequences, the same [B, T] layout,
 the same parameters with `overrides`), so the rows returned are the `frac_tokens_masked · n_tokens` tokens
-of that row of the comparison.
+of that row of the comparison. The comparison itself evaluates every rule on every token: `compare_with_drops`
+keeps those decisions per pair (`PairDrops`: one bit per token and method), so the tokens any method drops are
+then read off without running its rule again.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 
 COLUMNS = ["run_id", "seq_id", "pos", "log_ratio", "seq_dropped"]
+KEYS = ["run_id", "seq_id", "pos"]
+
+
+def _empty() -> pd.DataFrame:
+    return pd.DataFrame({c: pd.Series(dtype=t) for c, t in zip(COLUMNS, ("object", "int64", "int64", "float64", "bool"))})
+
+
+@dataclass
+class PairDrops:
+    """Every compared method's decisions on the finite tokens of one pair, in (run_id, seq_id, pos) order: the
+    tokens' keys as read (None: the pair has no finite token), log π − log μ, each sequence's first offset, and
+    per method label its dropped flags, packed (np.packbits; a method without an entry was not computed on the
+    pair: it needs top-K lists the pair lacks). ~21 bytes a token plus 1 bit a token and method."""
+
+    keys: pa.Table | None
+    log_ratio: np.ndarray
+    seq_start: np.ndarray
+    dropped: dict[str, np.ndarray] = field(default_factory=dict)
+
+    def tokens(self, method: str) -> pd.DataFrame:
+        """`dropped_tokens` of `method` on this pair (the same rows, columns and dtypes)."""
+        if self.keys is None or method not in self.dropped:
+            return _empty()
+        n = len(self.log_ratio)
+        drop = np.unpackbits(self.dropped[method], count=n).astype(bool)
+        kept_any = np.logical_or.reduceat(~drop, self.seq_start)
+        hit = np.flatnonzero(drop)
+        out = self.keys.take(hit).to_pandas()
+        out["log_ratio"] = self.log_ratio[hit]
+        out["seq_dropped"] = np.repeat(~kept_any, np.diff(np.append(self.seq_start, n)))[hit]
+        return out.astype({"seq_id": "int64", "pos": "int64", "seq_dropped": "bool"})[COLUMNS]
+
+
+class DropRecorder:
+    """compare's `record`: called with each chunk (pair by pair), it returns where each method's keep flags of
+    the chunk's tokens go; `result()` packs them into one PairDrops per (rollout, scorer)."""
+
+    def __init__(self):
+        self._open: dict | None = None  # the pair being read: its keys, log-ratios, offsets and keep flags
+        self._done: dict[tuple[str, str], PairDrops] = {}
+
+    def __call__(self, chunk) -> Callable[[str], np.ndarray]:
+        pair = (chunk.rows.column("rollout")[0].as_py(), chunk.rows.column("scorer")[0].as_py())
+        if self._open is None or self._open["pair"] != pair:
+            self._close()
+            self._open = {"pair": pair, "keys": [], "log_ratio": [], "seq_start": [], "n": 0, "keep": {}}
+        p = self._open
+        p["keys"].append(chunk.rows.select(KEYS))
+        p["log_ratio"].append(chunk.lpi - chunk.lmu)
+        p["seq_start"].append(chunk.seq_start + p["n"])
+        p["n"] += chunk.n
+
+        def keep_of(label: str) -> np.ndarray:
+            p["keep"].setdefault(label, []).append(out := np.empty(chunk.n, dtype=bool))
+            return out
+
+        return keep_of
+
+    def _close(self) -> None:
+        p, self._open = self._open, None
+        if p is not None:
+            self._done[p["pair"]] = PairDrops(
+                pa.Table.from_batches(p["keys"]), np.concatenate(p["log_ratio"]), np.concatenate(p["seq_start"]),
+                {label: np.packbits(~np.concatenate(keep)) for label, keep in p["keep"].items()})
+
+    def result(self) -> dict[tuple[str, str], PairDrops]:
+        self._close()
+        return self._done
+
+
+def compare_with_drops(con, *, overrides: Mapping[str, Mapping[str, float]] | None = None,
+                       chunk_tokens: int = 1 << 20) -> tuple[dict[str, pd.DataFrame], dict[tuple[str, str], PairDrops]]:
+    """compare.compare's tables and, from the same pass, a PairDrops per (rollout, scorer) of its main table
+    (a pair without a finite token: keys None)."""
+    from mismatch_lab.corrections.compare import compare
+
+    record = DropRecorder()
+    tables = compare(con, overrides=overrides, chunk_tokens=chunk_tokens, record=record)
+    drops = record.result()
+    nothing = PairDrops(None, np.zeros(0), np.zeros(0, dtype=np.int64))
+    pairs = tables["corrections"][["rollout", "scorer"]].drop_duplicates().itertuples(index=False)
+    return tables, {(r, s): drops.get((r, s), nothing) for r, s in pairs}
 
 
 def dropped_tokens(con, method: str, rollout: str, scorer: str, *,
@@ -32,29 +118,21 @@ def dropped_tokens(con, method: str, rollout: str, scorer: str, *,
     if method not in by_label:
         raise ValueError(f"no method named {method!r}; methods: {', '.join(by_label)}")
     v = by_label[method]
-    info = pair_info(con, (rollout, scorer))
-    empty = pd.DataFrame({c: pd.Series(dtype=t) for c, t in
-                          zip(COLUMNS, ("object", "int64", "int64", "float64", "bool"))})
-    if info.empty or ("topk" in v.method.needs and not bool(info["has_topk"].iloc[0])):
-        return empty
-    parts = []
-    # only the top-K rules read the top-K lists (batch.py): the others' rows are read without them
-    info = info.assign(has_topk=info["has_topk"] & ("topk" in v.method.needs))
+    # only the top-K rules read the top-K lists (batch.py): the others' rows are read without them, and without
+    # the pair's info (one more scan of its tokens): a pair without finite tokens then gives no chunk
+    if "topk" in v.method.needs:
+        info = pair_info(con, (rollout, scorer))
+        if info.empty or not bool(info["has_topk"].iloc[0]):
+            return _empty()
+    else:
+        info = pd.DataFrame({"rollout": [rollout], "scorer": [scorer], "n_tokens": [0], "has_topk": [False]})
+    record = DropRecorder()
     for chunk in chunks(con, info, chunk_tokens=chunk_tokens):
-        # each token its own group: the per-group masked count is the token's own mask, in flat order
-        seqs = np.zeros(len(chunk.seq_start), dtype=np.int64)
-        sums, _, _ = _run(v, list(chunk.parts(np.arange(chunk.n), chunk.n, seqs)), chunk.n, 1)
-        keep = sums["n_masked"] == 0
-        kept_any = np.logical_or.reduceat(keep, chunk.seq_start)
-        seq_dropped = np.repeat(~kept_any, chunk.lengths)
-        hit = np.flatnonzero(~keep)
-        # the keys of the dropped tokens, from the rows the chunk was laid out from
-        part = chunk.rows.select(["run_id", "seq_id", "pos"]).take(hit).to_pandas()
-        part["log_ratio"] = (chunk.lpi - chunk.lmu)[hit]
-        part["seq_dropped"] = seq_dropped[hit]
-        parts.append(part)
-    out = pd.concat(parts, ignore_index=True) if parts else empty
-    return out.astype({"seq_id": "int64", "pos": "int64", "seq_dropped": "bool"})[COLUMNS]
+        one = np.zeros(chunk.n, dtype=np.int64)  # a single token group and sequence group: only keep_out is read
+        _run(v, list(chunk.parts(one, 1, one[:len(chunk.seq_start)])), 1, 1, record(chunk)(method))
+    drops = record.result().get((rollout, scorer))
+    return _empty() if drops is None else drops.tokens(method)
+
 
 
 def dropped_sequences(tokens: pd.DataFrame) -> pd.DataFrame:

@@ -75,11 +75,13 @@ def pair_info(con, pair: tuple[str, str] | None = None) -> pd.DataFrame:
 @dataclass
 class Part:
     """One padded batch of a chunk: `batch` [B, T]; `gid` [B·T] the token group of each cell (padding: the
-    extra group n_groups), `sid` [B] the sequence group of each row."""
+    extra group n_groups), `sid` [B] the sequence group of each row; `index` the chunk's flat position of each
+    response cell, in the order `batch.mask` selects them (row-major)."""
 
     batch: object
     gid: object  # torch.LongTensor [B * T]
     sid: object  # torch.LongTensor [B]
+    index: np.ndarray | None = None  # [Σ lengths] int64
 
 
 @dataclass
@@ -149,7 +151,8 @@ class Chunk:
         topk = TopK(*(grid(a) for a in self.topk)) if self.topk is not None else None
         adv = grid(np.nan_to_num(self.adv)) if known else None
         batch = Batch(lp=lp, lmu=lmu, la=lmu, lref=lp, mask=mask, adv=adv, topk=topk)
-        return Part(batch, grid(gid.astype(np.int64), n_groups).reshape(-1), torch.from_numpy(sid.astype(np.int64)))
+        return Part(batch, grid(gid.astype(np.int64), n_groups).reshape(-1), torch.from_numpy(sid.astype(np.int64)),
+                    index)
 
 
 def _topk_arrays(batch: pa.RecordBatch) -> tuple:
