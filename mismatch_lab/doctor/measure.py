@@ -52,8 +52,9 @@ class Measurements:
     rollout rows are joined once into a temporary table (`Rows(materialize=True)`), dropped on exit."""
 
     def __init__(self, con: duckdb.DuckDBPyConnection, *, sample_tokens: int | None = None):
-        """`sample_tokens`: measure the corrections' dropped shares on a sample of about that many tokens of
-        whole prompt groups when the store holds more (the app's views); None: on every token (the CLI)."""
+        """`sample_tokens`: measure the corrections' dropped shares on a sample of whole prompt groups of half
+        that many to that many tokens (`sample_every`) when the store holds more (the app's views); None: on
+        every token (the CLI)."""
         self.con = con
         self.sample_tokens = sample_tokens
         self.rows = Rows(con, Filters(), topk=False, materialize=True)

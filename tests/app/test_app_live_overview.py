@@ -191,3 +191,27 @@ def test_a_refresh_of_the_overview_computes_only_the_new_steps_and_shows_them(tm
     assert first and computed["corrections"] == [first, sampled & new]
     shown = next(d.value for d in at.dataframe if "kl_k3" in d.value.columns and "seq_n" in d.value.columns)
     pd.testing.assert_frame_equal(shown.reset_index(drop=True), whole, rtol=RTOL)
+
+
+def test_an_imported_run_of_prompt_groups_per_unit_equals_the_whole_store(tmp_path):
+    import json
+
+    from mismatch_lab.cli import main
+
+    rng, lines = np.random.default_rng(5), []
+    for step in range(6):
+        for prompt in range(4):  # GRPO groups of 3 samples: the doctor's sample keeps or drops whole groups
+            for _ in range(3):
+                mu = -rng.exponential(1.0, 30)
+                pi = np.minimum(mu + rng.normal(0, 0.3, 30), 0.0)
+                lines.append({"step": step, "token_ids": rng.integers(0, 100, 30).tolist(), "logp_rollout": mu.tolist(),
+                              "logp_trainer": pi.tolist(), "reward": float(rng.normal()), "prompt_id": f"p{prompt}"})
+    dump = tmp_path / "grpo.jsonl"
+    dump.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    path = tmp_path / "store"
+    assert main(["import", "jsonl", str(dump), "--out", str(path), "--rollout-engine", "vllm", "--rollout-dtype",
+                 "bf16"]) == 0
+    with _live(path) as rec:  # a recorded run beside it
+        _log(rec, 0, 0)
+    mine = _assert_equal(path, cache.ResultsCache(path))
+    assert "prompt groups)" in {a["rule"]: a["because"] for a in mine["doctor_view"].recommendations}["sequence_ratio"]
