@@ -35,7 +35,6 @@ SPLITS = {  # filter -> (split table, its key column, label)
     "adv_sign": ("by_adv_sign", "adv_sign", "advantage sign"),
 }
 DESCRIBED = ["method", "axis", "level", "framework", "params", "source", "note", "advantage_source"]
-INSPECTOR_RUN_MODE = "By run and sequence"  # the inspector's radio option for a picked run and sequence
 
 
 def mu_bucket_label(i) -> str:
@@ -252,5 +251,5 @@ st.dataframe(
 )
 lab_inspect.prefetch(run_id, seq_id=seq_id, scorer=scorer, focus=first_pos)  # (computed in the background)
 st.button(f"Open sequence {seq_id} of {run_id} in the token inspector", type="primary", on_click=lab_inspect.open_on,
-          args=({"insp_mode": INSPECTOR_RUN_MODE, "insp_run": run_id, "insp_step": "all steps", "insp_seq": seq_id,
+          args=({"insp_mode": lab_inspect.BY_RUN, "insp_run": run_id, "insp_step": lab_inspect.ALL_STEPS, "insp_seq": seq_id,
                  "insp_scorer": scorer, "insp_focus_pos": first_pos},))
