@@ -239,29 +239,59 @@ def corrections_sample_every(path: str | None = None) -> int:
 def _compare_keeping_drops(path: str, every: int | None, pair: tuple | None, overrides) -> None:
     """Into the results cache, when it lacks them: the comparison (of every token: every None; else of the
     sample's `pair`), under the key its cached call reads, and from the same pass each pair's dropped tokens
-    (`dropped.PairDrops`, for `dropped_tokens_of`): the rules then run once for both."""
+    (`dropped.PairDrops`, for `dropped_tokens_of`): the rules then run once for both. With overrides, on the
+    comparison at the defaults (computed first when missing): only the methods the overrides change are run."""
     fp = fingerprint(path)
-    kwargs = (("overrides", overrides),) if every is None else (("overrides", overrides or None),)
-    query = (COMPARE, "compare", (), kwargs) if every is None else ("sample", every, pair, COMPARE, "compare", (), kwargs)
+    query = _compare_query(every, pair, overrides)
     if disk(path).has(query, fp):
         return
 
     def compute():
         from mismatch_lab.corrections.dropped import compare_with_drops
 
-        def work(cur):
-            return compare_with_drops(cur if every is None else sampled(cur, every, pair), overrides=overrides or None)
+        base = _at_defaults(path, fp, every, pair) if overrides else None
 
-        tables, drops = _on_store(path, work, fp)
-        for p, d in drops.items():
+        def work(cur):
+            return compare_with_drops(cur if every is None else sampled(cur, every, pair), overrides=overrides or None,
+                                      base=base)
+
+        done = _on_store(path, work, fp)
+        for p, d in done.drops.items():
             disk(path).put(_drops_query(every, p, overrides), fp, d)
-        return tables
+        if not overrides:  # (the base of any override)
+            disk(path).put(_sums_query(every, pair), fp, (done.sums, done.info))
+        return done.tables
 
     _fetch(path, query, fp, compute)
 
 
+def _at_defaults(path: str, fp: str, every: int | None, pair: tuple | None):
+    """The comparison at the published defaults (`dropped.Compared`) from the results cache (computed first when
+    missing); None if it is not all there after all (an entry not ours, or of an earlier version)."""
+    from mismatch_lab.corrections.dropped import Compared
+
+    _compare_keeping_drops(path, every, pair, None)
+    tables, sums = (disk(path).get(q, fp) for q in (_compare_query(every, pair, None), _sums_query(every, pair)))
+    if tables is cache.MISSING or sums is cache.MISSING:
+        return None
+    pairs = tables["corrections"][["rollout", "scorer"]].drop_duplicates().itertuples(index=False)
+    drops = {(r, s): disk(path).get(_drops_query(every, (r, s), None), fp) for r, s in pairs}
+    return None if any(d is cache.MISSING for d in drops.values()) else Compared(tables, drops, *sums)
+
+
+def _compare_query(every: int | None, pair: tuple | None, overrides) -> tuple:
+    """The results-cache key of the comparison `_call_named` (every None) or `_cached_sample` reads."""
+    if every is None:
+        return (COMPARE, "compare", (), (("overrides", overrides),))
+    return ("sample", every, pair, COMPARE, "compare", (), (("overrides", overrides or None),))
+
+
 def _drops_query(every: int | None, pair: tuple, overrides) -> tuple:
     return ("corrections.drops", every, tuple(pair), _frozen(overrides))
+
+
+def _sums_query(every: int | None, pair: tuple | None) -> tuple:
+    return ("corrections.sums", every, pair)
 
 
 @st.cache_resource(ttl=TTL_S, show_spinner=False, max_entries=16)
@@ -301,7 +331,7 @@ def method_defaults() -> pd.DataFrame:
 
 def _exact_on_disk(path: str) -> bool:
     """Whether the comparison of every token at the published defaults is in the store's disk cache."""
-    return disk(path).has((COMPARE, "compare", (), (("overrides", None),)), fingerprint(path))
+    return disk(path).has(_compare_query(None, None, None), fingerprint(path))
 
 
 def corrections_pairs(overrides=None, exact: bool = False):
@@ -480,15 +510,19 @@ def _warm(path: str) -> None:
         worst_of(scorer, path=path)
     if corrections_of(path) is not None:  # (with every method's dropped tokens of every pair: one pass)
         every = corrections_sample_every(path)
+        pairs = None
         if every > 1:  # what an override opens on (the sample: corrections_pairs), the same for any override
-            _cached_sample(path, every, None, "mismatch_lab.corrections.layout", "pair_info", (), ())
+            pairs = _cached_sample(path, every, None, "mismatch_lab.corrections.layout", "pair_info", (), ())
             _cached_sample(path, every, None, sample_size.__module__, "sample_size", (), ())
-        # last, the rules' modules (torch: ~1.5 CPU s), which a cached result does not import: another dropping
-        # method or an override, computed on demand, then costs only its rule. Only once no page has queried for
-        # IMPORT_QUIET_S: the page's rendering goes on after its last query, and beside a page's first load on 2
-        # cores the import took ~0.5 CPU s of it (Inspector 2.1-2.6 -> 3.0-3.9 s in Chromium)
+        # the rules' modules (torch: ~1.5 CPU s), which a cached result does not import: an override, computed on
+        # demand, then costs only its rule. Only once no page has queried for IMPORT_QUIET_S: the page's rendering
+        # goes on after its last query, and beside a page's first load on 2 cores the import took ~0.5 CPU s of it
+        # (Inspector 2.1-2.6 -> 3.0-3.9 s in Chromium)
         yield_to_pages(IMPORT_QUIET_S)
         importlib.import_module("mismatch_lab.corrections.compare")
+        for pair in [] if pairs is None else pairs.itertuples():  # last, each pair's sample at the defaults (~0.5
+            # CPU s a pair on 1 M tokens): an override there then runs only the methods it changes (_at_defaults)
+            _compare_keeping_drops(path, every, (pair.rollout, pair.scorer), None)
 
 
 def prepare(path: str):

@@ -59,19 +59,34 @@ def variants(overrides: Mapping[str, Mapping[str, float]] | None = None) -> list
 
 def compare(con, *, overrides=None, chunk_tokens: int = 1 << 20,
             progress: Callable[[int, int], None] | None = None,
-            methods: Collection[str] | None = None, record=None) -> dict[str, pd.DataFrame]:
+            methods: Collection[str] | None = None) -> dict[str, pd.DataFrame]:
     """Tables `corrections` (one row per method and pair) and `by_adv_sign`, `by_mu_bucket`,
     `by_category` (the same per split value) of the store on `con`. progress(tokens done, total).
-    `methods`: only these labels (each row is computed alone, so it equals the full comparison's row).
-    `record`: a dropped.DropRecorder, given every method's keep flag of every token on the way."""
+    `methods`: only these labels (each row is computed alone, so it equals the full comparison's row)."""
     from mismatch_lab.corrections.layout import pair_info
 
     vs = [v for v in variants(overrides) if methods is None or v.label in methods]
     info = pair_info(con)
+    return accumulate(con, vs, info, chunk_tokens=chunk_tokens, progress=progress).tables(info)
+
+
+def accumulate(con, vs: list[Variant], info: pd.DataFrame, *, record=None, chunk_tokens: int = 1 << 20,
+               progress: Callable[[int, int], None] | None = None) -> _Accumulator:
+    """The sums of variants `vs` over the pairs of `info` (layout.pair_info), chunk by chunk. `record`: a
+    dropped.DropRecorder, given every variant's keep flag of every token on the way."""
     acc = _Accumulator(vs, record)
     for chunk in chunks(con, info, chunk_tokens=chunk_tokens, progress=progress):
         acc.add(chunk)
-    return acc.tables(info)
+    return acc
+
+
+@dataclass
+class Sums:
+    """An _Accumulator's sums without its variants (what a results cache keeps): per entry, its chunk."""
+
+    tokens: list
+    seqs: list
+    at: list[int]
 
 
 class _Accumulator:
@@ -83,6 +98,27 @@ class _Accumulator:
         self.record = record  # chunk -> (variant label -> the [n] array its keep flags go into): dropped.py
         self.tokens: list[tuple[pd.DataFrame, dict]] = []
         self.seqs: list[tuple[pd.DataFrame, dict]] = []
+        self.at: list[int] = []  # the chunk of each entry
+        self.n_chunks = 0
+
+    def sums(self) -> Sums:
+        return Sums(self.tokens, self.seqs, self.at)
+
+    def spliced(self, base: Sums, vs: list[Variant]) -> _Accumulator:
+        """The sums of a run of `vs` on the same chunks as `base` (a run of variants with the same labels): this
+        accumulator's variants' entries in place of base's, in base's order (chunk, then variant), so that the
+        tables built from them are those of one run of `vs`, bit for bit (sums of floats depend on order)."""
+        mine = {(i, t[1]["label"]): (t, q) for i, t, q in zip(self.at, self.tokens, self.seqs)}
+        labels = {v.label for v in self.vs}
+        out = _Accumulator(vs)
+        for i, t, q in zip(base.at, base.tokens, base.seqs):
+            t, q = mine.pop((i, t[1]["label"])) if t[1]["label"] in labels else (t, q)
+            out.tokens.append(t)
+            out.seqs.append(q)
+            out.at.append(i)
+        if mine:  # (the same tokens give the same chunks: never expected)
+            raise ValueError("the base sums were not taken on the same chunks")
+        return out
 
     def add(self, chunk: Chunk) -> None:
         tok, gid = _groups(chunk.token_keys())
@@ -97,6 +133,8 @@ class _Accumulator:
             sums, x_w, dropped = _run(v, parts, len(tok), len(seq), None if keep_of is None else keep_of(v.label))
             self.tokens.append((tok, {"label": v.label, "n_tokens": n_tokens, **sums, "x_w": x_w}))
             self.seqs.append((seq, {"label": v.label, "n_seqs": n_seqs, "n_seqs_masked": dropped}))
+            self.at.append(self.n_chunks)
+        self.n_chunks += 1
 
     def tables(self, info) -> dict[str, pd.DataFrame]:
         from mismatch_lab.corrections.report import tables

@@ -88,18 +88,44 @@ class DropRecorder:
         return self._done
 
 
-def compare_with_drops(con, *, overrides: Mapping[str, Mapping[str, float]] | None = None,
-                       chunk_tokens: int = 1 << 20) -> tuple[dict[str, pd.DataFrame], dict[tuple[str, str], PairDrops]]:
-    """compare.compare's tables and, from the same pass, a PairDrops per (rollout, scorer) of its main table
-    (a pair without a finite token: keys None)."""
-    from mismatch_lab.corrections.compare import compare
+@dataclass
+class Compared:
+    """compare_with_drops' result: the comparison's tables, each pair's PairDrops, and the sums and pair info
+    the tables were built from (the base of a comparison with overrides on the same tokens)."""
 
+    tables: dict[str, pd.DataFrame]
+    drops: dict[tuple[str, str], PairDrops]
+    sums: object  # compare.Sums
+    info: pd.DataFrame
+
+
+def compare_with_drops(con, *, overrides: Mapping[str, Mapping[str, float]] | None = None,
+                       chunk_tokens: int = 1 << 20, base: Compared | None = None) -> Compared:
+    """compare.compare's tables and, from the same pass, a PairDrops per (rollout, scorer) of its main table
+    (a pair without a finite token: keys None). `base`: this function's result on the same tokens at the
+    published defaults; then only the methods whose parameters `overrides` changes are run, and their sums and
+    drops replace the base's: the same tables as a run of every method, bit for bit."""
+    from mismatch_lab.corrections.compare import accumulate, variants
+    from mismatch_lab.corrections.layout import pair_info
+
+    vs = variants(overrides)
+    defaults = {v.label: v.params for v in variants()}
+    changed = [v for v in vs if v.params != defaults[v.label]]
+    if base is not None and not changed:  # (overrides that restate the defaults)
+        return base
+    info = base.info if base is not None else pair_info(con)
     record = DropRecorder()
-    tables = compare(con, overrides=overrides, chunk_tokens=chunk_tokens, record=record)
+    acc = accumulate(con, vs if base is None else changed, info, record=record, chunk_tokens=chunk_tokens)
     drops = record.result()
     nothing = PairDrops(None, np.zeros(0), np.zeros(0, dtype=np.int64))
+    if base is not None:
+        acc = acc.spliced(base.sums, vs)
+        drops = {pair: PairDrops(d.keys, d.log_ratio, d.seq_start, {m: bits for m, bits in d.dropped.items()
+                                                                    if m not in {v.label for v in changed}}
+                                 | drops.get(pair, nothing).dropped) for pair, d in base.drops.items()}
+    tables = acc.tables(info)
     pairs = tables["corrections"][["rollout", "scorer"]].drop_duplicates().itertuples(index=False)
-    return tables, {(r, s): drops.get((r, s), nothing) for r, s in pairs}
+    return Compared(tables, {(r, s): drops.get((r, s), nothing) for r, s in pairs}, acc.sums(), info)
 
 
 def dropped_tokens(con, method: str, rollout: str, scorer: str, *,

@@ -14,7 +14,7 @@ from app_paths import open_page
 
 from mismatch_lab.analysis.sample import sampled
 from mismatch_lab.corrections import dropped
-from mismatch_lab.corrections.compare import _run, variants
+from mismatch_lab.corrections.compare import _run, compare, variants
 from mismatch_lab.corrections.layout import chunks, pair_info
 from mismatch_lab.store.reader import open_store
 from mismatch_lab.store.synthetic import SyntheticSpec, synthetic_store
@@ -57,7 +57,8 @@ def test_every_methods_dropped_tokens_read_off_the_comparison_equal_a_rerun_of_i
         def cursor():
             return con.cursor() if where == "whole store" else sampled(con.cursor(), 3, ("vllm:bf16", "hf:bf16"))
 
-        tables, drops = dropped.compare_with_drops(cursor(), overrides=overrides)
+        done = dropped.compare_with_drops(cursor(), overrides=overrides)
+        tables, drops = done.tables, done.drops
         main = tables["corrections"]
         assert set(drops) == set(zip(main["rollout"], main["scorer"]))
         dropping = 0
@@ -71,9 +72,9 @@ def test_every_methods_dropped_tokens_read_off_the_comparison_equal_a_rerun_of_i
                 continue
             dropping += 1
             expected = rerun_rule(cursor(), r.method, r.rollout, r.scorer, overrides)
-            pd.testing.assert_frame_equal(kept, expected)  # bitwise: the same rows, columns and dtypes
+            pd.testing.assert_frame_equal(kept, expected, check_exact=True)  # bitwise: the same rows, columns and dtypes
             rerun = dropped.dropped_tokens(cursor(), r.method, r.rollout, r.scorer, overrides=overrides)
-            pd.testing.assert_frame_equal(rerun, expected)
+            pd.testing.assert_frame_equal(rerun, expected, check_exact=True)
     finally:
         con.close()
     assert dropping >= (8 if where == "whole store" else 3)  # (the synthetic store's ratios are closer to 1)
@@ -108,3 +109,65 @@ def test_another_dropping_method_and_an_override_list_their_tokens_without_runni
         con.close()
     assert len(at.selectbox(key="corr_seq").options) == len(dropped.dropped_sequences(expected))
     assert not calls  # every list came from the decisions the comparison kept
+
+
+@pytest.mark.parametrize("where", ["whole store", "sample"])
+def test_an_override_computed_on_the_defaults_comparison_equals_the_whole_comparison_with_it(where, duckdb_store,
+                                                                                            grouped):
+    con = open_store(duckdb_store if where == "whole store" else grouped)
+    try:
+        def cursor():
+            return con.cursor() if where == "whole store" else sampled(con.cursor(), 3, ("vllm:bf16", "hf:bf16"))
+
+        base = dropped.compare_with_drops(cursor())
+        spliced = dropped.compare_with_drops(cursor(), overrides=OVERRIDES, base=base)
+        tables, drops = spliced.tables, spliced.drops
+        whole = compare(cursor(), overrides=OVERRIDES)  # (what `mismatch-lab corrections --set` prints)
+        whole_drops = dropped.compare_with_drops(cursor(), overrides=OVERRIDES).drops
+        assert dropped.compare_with_drops(cursor(), overrides={"seq_mis": {"cap": 3.0}}, base=base) is base  # defaults
+    finally:
+        con.close()
+    assert tables.keys() == whole.keys()
+    for name, table in whole.items():
+        pd.testing.assert_frame_equal(tables[name], table, check_exact=True)  # bitwise: the same rows and order
+    assert drops.keys() == whole_drops.keys()
+    for pair, d in whole_drops.items():
+        for method in tables["corrections"]["method"]:
+            pd.testing.assert_frame_equal(drops[pair].tokens(method), d.tokens(method), check_exact=True)
+    main = tables["corrections"].set_index(["method", "scorer"])
+    assert (main.loc["seq_mis", "params"] == "cap=1.0001").all()
+    assert not main.loc["seq_mis", "frac_tokens_masked"].equals(
+        base.tables["corrections"].set_index(["method", "scorer"]).loc["seq_mis", "frac_tokens_masked"])  # (it moved)
+
+
+def test_an_override_on_a_sample_runs_only_the_method_it_changes_and_shows_the_sample_compared_with_it(
+        grouped, monkeypatch, lab_ui):
+    from mismatch_lab.corrections import compare as compare_module
+
+    con = open_store(grouped)
+    n_tokens = con.execute("SELECT count(*) FROM tokens").fetchone()[0]
+    con.close()
+    monkeypatch.setattr(lab_ui, "CORRECTIONS_SAMPLE_TOKENS", n_tokens // 3 + 1)  # stride 3
+    runs = []
+    real = compare_module.accumulate
+    monkeypatch.setattr(compare_module, "accumulate", functools.wraps(real)(
+        lambda con, vs, *a, **kw: runs.append([v.label for v in vs]) or real(con, vs, *a, **kw)))
+    at = open_page(grouped, monkeypatch, "corrections")
+    assert any(i.value.startswith("Computed on a sample") for i in at.info)
+    box = at.selectbox(key="corr_pair")
+    pair = tuple(box.options[box.value].split(" → "))
+    at.text_input(key="corr_overrides").set_value("seq_mis.cap=1.0001")
+    next(b for b in at.button if b.label == "Apply").click()
+    at.run()
+    assert not at.exception, at.exception
+    assert runs == [[v.label for v in variants()], ["seq_mis"]]  # the sample's pair at the defaults (first
+    # load), then the method the override changes only
+    con = open_store(grouped)
+    try:
+        want = compare(sampled(con.cursor(), 3, pair), overrides={"seq_mis": {"cap": 1.0001}})["corrections"]
+    finally:
+        con.close()
+    shown = next(d.value for d in at.dataframe if "framework" in d.value.columns)
+    assert shown["method"].tolist() == want["method"].tolist()
+    for c in ("frac_tokens_masked", "frac_seqs_masked", "ess"):
+        np.testing.assert_array_equal(shown[c].to_numpy(float), want[c].to_numpy(float))  # (the same computation)
