@@ -73,7 +73,7 @@ else:
             st.info("No sequence of this selection has a stored token.")
             st.stop()
     by_id = seqs.set_index("seq_id")
-    seq_labels = {  # built once: a label per option, not a look-up per option in the table (~0.3 s per 1,000)
+    seq_labels = {  # built once: not three look-ups in the table per option (~0.05 CPU s per 1,000 options)
         s: " · ".join([f"seq {s}"] + ([f"prompt {p}"] if pd.notna(p) else []) + [f"{n} tokens"])
         for s, p, n in zip(by_id.index.tolist(), by_id["prompt_id"].tolist(), by_id["response_len"].tolist())
     }
