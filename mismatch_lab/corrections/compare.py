@@ -87,6 +87,7 @@ class Sums:
     tokens: list
     seqs: list
     at: list[int]
+    sizes: list[int]  # tokens of each chunk
 
 
 class _Accumulator:
@@ -99,25 +100,27 @@ class _Accumulator:
         self.tokens: list[tuple[pd.DataFrame, dict]] = []
         self.seqs: list[tuple[pd.DataFrame, dict]] = []
         self.at: list[int] = []  # the chunk of each entry
-        self.n_chunks = 0
+        self.sizes: list[int] = []  # tokens of each chunk
 
     def sums(self) -> Sums:
-        return Sums(self.tokens, self.seqs, self.at)
+        return Sums(self.tokens, self.seqs, self.at, self.sizes)
 
-    def spliced(self, base: Sums, vs: list[Variant]) -> _Accumulator:
+    def spliced(self, base: Sums, vs: list[Variant]) -> _Accumulator | None:
         """The sums of a run of `vs` on the same chunks as `base` (a run of variants with the same labels): this
         accumulator's variants' entries in place of base's, in base's order (chunk, then variant), so that the
-        tables built from them are those of one run of `vs`, bit for bit (sums of floats depend on order)."""
+        tables built from them are those of one run of `vs`, bit for bit (sums of floats depend on order).
+        None when this run's chunks are not base's."""
         mine = {(i, t[1]["label"]): (t, q) for i, t, q in zip(self.at, self.tokens, self.seqs)}
         labels = {v.label for v in self.vs}
+        if self.sizes != base.sizes or len(mine) != sum(t[1]["label"] in labels for t in base.tokens):
+            return None
         out = _Accumulator(vs)
         for i, t, q in zip(base.at, base.tokens, base.seqs):
             t, q = mine.pop((i, t[1]["label"])) if t[1]["label"] in labels else (t, q)
             out.tokens.append(t)
             out.seqs.append(q)
             out.at.append(i)
-        if mine:  # (the same tokens give the same chunks: never expected)
-            raise ValueError("the base sums were not taken on the same chunks")
+        out.sizes = self.sizes
         return out
 
     def add(self, chunk: Chunk) -> None:
@@ -133,8 +136,8 @@ class _Accumulator:
             sums, x_w, dropped = _run(v, parts, len(tok), len(seq), None if keep_of is None else keep_of(v.label))
             self.tokens.append((tok, {"label": v.label, "n_tokens": n_tokens, **sums, "x_w": x_w}))
             self.seqs.append((seq, {"label": v.label, "n_seqs": n_seqs, "n_seqs_masked": dropped}))
-            self.at.append(self.n_chunks)
-        self.n_chunks += 1
+            self.at.append(len(self.sizes))
+        self.sizes.append(chunk.n)
 
     def tables(self, info) -> dict[str, pd.DataFrame]:
         from mismatch_lab.corrections.report import tables

@@ -115,11 +115,17 @@ def compare_with_drops(con, *, overrides: Mapping[str, Mapping[str, float]] | No
         return base
     info = base.info if base is not None else pair_info(con)
     record = DropRecorder()
-    acc = accumulate(con, vs if base is None else changed, info, record=record, chunk_tokens=chunk_tokens)
+    if base is None:
+        acc = accumulate(con, vs, info, record=record, chunk_tokens=chunk_tokens)
+    else:  # the top-K lists read only if a changed method reads them (the chunks are of the same tokens)
+        topk = any("topk" in v.method.needs for v in changed)
+        acc = accumulate(con, changed, info.assign(has_topk=info["has_topk"] & topk), record=record,
+                         chunk_tokens=chunk_tokens).spliced(base.sums, vs)
+        if acc is None:  # (other chunks: never expected) every method, as without a base
+            return compare_with_drops(con, overrides=overrides, chunk_tokens=chunk_tokens)
     drops = record.result()
     nothing = PairDrops(None, np.zeros(0), np.zeros(0, dtype=np.int64))
     if base is not None:
-        acc = acc.spliced(base.sums, vs)
         drops = {pair: PairDrops(d.keys, d.log_ratio, d.seq_start, {m: bits for m, bits in d.dropped.items()
                                                                     if m not in {v.label for v in changed}}
                                  | drops.get(pair, nothing).dropped) for pair, d in base.drops.items()}

@@ -125,11 +125,14 @@ def test_an_override_computed_on_the_defaults_comparison_equals_the_whole_compar
         whole = compare(cursor(), overrides=OVERRIDES)  # (what `mismatch-lab corrections --set` prints)
         whole_drops = dropped.compare_with_drops(cursor(), overrides=OVERRIDES).drops
         assert dropped.compare_with_drops(cursor(), overrides={"seq_mis": {"cap": 3.0}}, base=base) is base  # defaults
+        other = dropped.compare_with_drops(cursor(), chunk_tokens=40)  # a base in other chunks: every method is run
+        rerun = dropped.compare_with_drops(cursor(), overrides=OVERRIDES, base=other).tables
     finally:
         con.close()
     assert tables.keys() == whole.keys()
     for name, table in whole.items():
         pd.testing.assert_frame_equal(tables[name], table, check_exact=True)  # bitwise: the same rows and order
+        pd.testing.assert_frame_equal(rerun[name], table, check_exact=True)
     assert drops.keys() == whole_drops.keys()
     for pair, d in whole_drops.items():
         for method in tables["corrections"]["method"]:
