@@ -21,8 +21,13 @@ if str(APP_DIR) not in sys.path:  # `streamlit run` adds it; AppTest and other r
 import lab_inspect
 import lab_ui
 import streamlit as st
+from streamlit import config as st_config
 
 st.set_page_config(page_title="mismatch_lab", page_icon=":material/biotech:", layout="wide")
+if st_config.get_option("runner.postScriptGC"):  # Streamlit's full collection after every script run: with the
+    # warm-up's torch imported ~0.24 server CPU s of each interaction, twice on a page switch (docs/app.md); Python's
+    # own generational collection still runs. Not settable through `st.set_option`, hence the config module.
+    st_config.set_option("runner.postScriptGC", False)
 
 PAGES = {
     "Study": [
