@@ -296,7 +296,7 @@ def _sums_query(every: int | None, pair: tuple | None) -> tuple:
 
 @st.cache_resource(ttl=TTL_S, show_spinner=False, max_entries=16)
 def _drops_at(path: str, fp: str, query: tuple):
-    """A pair's PairDrops from the results cache (~21 bytes a token: ~0.03 s for 500,000), shared by the sessions
+    """A pair's PairDrops from the results cache (~25 bytes a token), shared by the sessions
     and never copied (read only); None when it is not there."""
     value = disk(path).get(query, fp)
     return None if value is cache.MISSING else value
