@@ -252,7 +252,7 @@ def test_the_warm_up_computes_exactly_what_the_pages_ask_for(monkeypatch, own_st
         (clipping, "clipping_by_category"),
         (clipping, "top_clipped_tokens"),
         (browse, "worst_sequences"),
-        (compare, "compare"),
+        (compare, "accumulate"),  # (one pass of the comparison: `compare`, or the page's `compare_with_drops`)
     ]:
         counting(module, name)
     lab_ui._warm(str(own_store))  # what the background thread runs
@@ -269,7 +269,7 @@ def test_the_warm_up_computes_exactly_what_the_pages_ask_for(monkeypatch, own_st
         "clipping_by_category": 3,
         "top_clipped_tokens": 3,
         "worst_sequences": 3,
-        "compare": 2,
+        "accumulate": 2,
     }
 
     at = start(monkeypatch, own_store)
