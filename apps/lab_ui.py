@@ -294,7 +294,7 @@ def _sums_query(every: int | None, pair: tuple | None) -> tuple:
     return ("corrections.sums", every, pair)
 
 
-@st.cache_resource(ttl=TTL_S, show_spinner=False, max_entries=16)
+@st.cache_resource(ttl=TTL_S, show_spinner=False, max_entries=8)  # (~13 MB each on 500,000 tokens)
 def _drops_at(path: str, fp: str, query: tuple):
     """A pair's PairDrops from the results cache (~25 bytes a token), shared by the sessions
     and never copied (read only); None when it is not there."""
@@ -302,7 +302,7 @@ def _drops_at(path: str, fp: str, query: tuple):
     return None if value is cache.MISSING else value
 
 
-@st.cache_resource(ttl=TTL_S, show_spinner=False, max_entries=32)
+@st.cache_resource(ttl=TTL_S, show_spinner=False, max_entries=8)  # (up to ~15 MB each)
 def _dropped_at(path: str, fp: str, query: tuple, method: str) -> pd.DataFrame:
     """`method`'s rows of a pair's PairDrops (~0.06 s for 400,000 tokens), kept for the page's next runs; shared
     and never copied: read only."""
