@@ -23,8 +23,6 @@ import threading
 import time
 import weakref
 
-import duckdb
-
 from mismatch_lab.store.reader import open_store
 
 WARM_UP_THREAD = "mismatch-lab warm-up"  # the warm-up threads' name prefix
@@ -113,7 +111,6 @@ class _Store:
     def __init__(self, path: str):
         self.con = open_store(path, snapshot=True)  # a DuckDB file: a copy, so no writer is ever kept out
         self._lock = threading.Lock()
-        self._held: dict[int, object] = {}  # long-lived cursors (a pair's joined rows), closed with the store
         self._busy: dict[int, tuple[object, threading.Thread]] = {}  # queries in flight: cursor, thread
         self._released = False
         self._closing = False
@@ -131,24 +128,9 @@ class _Store:
         """The process is exiting: no new query."""
         return self._closing
 
-    def held_cursor(self):
-        """A cursor kept beyond one query (closed by `drop` or with the store)."""
-        with self._lock:
-            if self.con is None or self._closing:
-                raise StoreClosed("the store was closed")
-            cur = self.con.cursor()
-            self._held[id(cur)] = cur
-            return cur
-
-    def drop(self, cur) -> None:
-        """Close a cursor of `held_cursor` (no query may be running on it)."""
-        with self._lock:
-            if self._held.pop(id(cur), None) is not None:
-                cur.close()
-
     @contextlib.contextmanager
-    def using(self, cur=None):
-        """A cursor for this thread's queries: `cur` (one of `held_cursor`) or a fresh one, closed after."""
+    def using(self):
+        """A fresh cursor for this thread's queries, closed after."""
         thread = threading.current_thread()
         warm_up = isinstance(thread, _WarmUp)
         if warm_up:
@@ -156,11 +138,9 @@ class _Store:
         with self._lock:
             if warm_up and thread.stopping:
                 raise _Stopped
-            if self.con is None or self._closing or (cur is not None and id(cur) not in self._held):
+            if self.con is None or self._closing:
                 raise StoreClosed("the store was closed")
-            own = cur is None
-            if own:
-                cur = self.con.cursor()
+            cur = self.con.cursor()
             self._busy[id(cur)] = (cur, thread)
         try:
             with contextlib.nullcontext() if warm_up else _PAGE_QUERIES.running():
@@ -168,8 +148,7 @@ class _Store:
         finally:
             with self._lock:
                 del self._busy[id(cur)]
-                if own:
-                    cur.close()
+                cur.close()
                 idle = not self._busy
             if idle and self._released:
                 self._close()
@@ -205,10 +184,6 @@ class _Store:
             if self._busy or self.con is None:
                 return
             con, self.con = self.con, None
-            held, self._held = list(self._held.values()), {}
-        for cur in held:
-            with contextlib.suppress(duckdb.Error):
-                cur.close()
         con.close()
 
 
