@@ -12,11 +12,20 @@ the page that holds the button again (`open_on`, `switch_if_asked`).
 from __future__ import annotations
 
 import os
+import threading
 
+import duckdb
 import lab_ui
 import pandas as pd
 import streamlit as st
-from lab_stores import StoreClosed, _WarmUp, clear_at_exit
+from lab_stores import (
+    _PAGE_QUERIES,
+    _WARM_UPS,
+    WARM_UP_THREAD,
+    StoreClosed,
+    _WarmUp,
+    clear_at_exit,
+)
 
 from mismatch_lab.analysis import browse
 from mismatch_lab.errors import UserError
@@ -89,19 +98,21 @@ def start_pos(view: pd.DataFrame, focus) -> int:
     return int(view.loc[view["abs_dp"].idxmax(), "pos"]) if view["abs_dp"].notna().any() else positions[0]
 
 
-def look_ups(path: str, run_id: str, step: int | None, seq_id: int | None, scorer: str | None, focus) -> None:
+def look_ups(path: str, run_id: str, step: int | None, seq_id: int | None, scorer: str | None, focus,
+             go_on=lambda: True) -> None:
     """What the inspector queries when a button opens it on (run, step, sequence; None: the first listed),
-    with the remembered scorer and the token to focus."""
+    with the remembered scorer and the token to focus; each look-up only while `go_on()`."""
     lab_ui._call(path, browse.list_runs)
+    if not go_on():
+        return
     steps_of(path, run_id)
-    seqs = listed(sequences_of(path, run_id, step))
-    if seq_id is None:
-        if seqs.empty:
-            return
-        seq_id = int(seqs["seq_id"].iloc[0])
-    tokens = tokens_of(path, run_id, seq_id)
-    scorer = scorer_of(tokens, scorer)
-    if scorer is not None:
+    seqs = listed(sequences_of(path, run_id, step)) if go_on() else None
+    if seqs is None or seq_id is None and seqs.empty:
+        return
+    seq_id = int(seqs["seq_id"].iloc[0]) if seq_id is None else seq_id
+    tokens = tokens_of(path, run_id, seq_id) if go_on() else None
+    scorer = None if tokens is None else scorer_of(tokens, scorer)
+    if scorer is not None and go_on():
         topk_of(path, run_id, seq_id, start_pos(tokens[tokens["scorer"] == scorer], focus))
 
 
@@ -113,8 +124,8 @@ def prefetch(run_id: str, *, step: int | None = None, seq_id: int | None = None,
     """In the page run that draws a button opening the inspector on (run, step, sequence) with `scorer` (None:
     the one the inspector remembers) and the token `focus`: compute the inspector's look-ups for that
     target in a background thread (part of the warm-up: off with it, MISMATCH_LAB_APP_WARMUP=0). The thread
-    waits until no page has queried for a moment (`lab_stores.yield_to_pages`), so it does not slow the page
-    that drew the button; once per target, and only while the store is as the first prefetch saw it (a store
+    waits until no page has queried for a moment (`_Prefetch.QUIET_S`), so it does not slow the page that drew
+    the button; once per target, and only while the store is as the first prefetch saw it (a store
     being written changes at every refresh)."""
     path = st.session_state.get("store_path")
     if not path or not background():
@@ -133,16 +144,40 @@ def background() -> bool:
     return os.environ.get("MISMATCH_LAB_APP_WARMUP", "1") != "0"
 
 
-def _prefetch(path: str, target: tuple) -> None:
+def _prefetch(path: str, target: tuple, go_on) -> None:
     try:
-        look_ups(path, *target)
-    except (UserError, StoreClosed):  # the store changed or closed meanwhile: the page computes on demand
-        return
+        look_ups(path, *target, go_on=go_on)
+    except (UserError, StoreClosed, duckdb.InterruptException):  # the store changed, closed or is closing (its
+        return  # queries interrupted at exit): the page computes on demand
 
 
-@st.cache_resource(ttl=lab_ui.TTL_S, show_spinner=False, max_entries=32, on_release=_WarmUp.stop)
-def _prefetch_at(path: str, fp: str, target: tuple) -> _WarmUp:
-    thread = _WarmUp(path, lambda p: _prefetch(p, target))
+class _Prefetch(threading.Thread):
+    """The prefetch of one target: it starts once pages have been quiet for QUIET_S, shorter than the warm-up's
+    wait (the button is the last thing its page draws, so the page's queries are done), then queries as a page
+    does (the warm-up waits for it). Stopped at process exit with the warm-ups (`lab_stores._shutdown`)."""
+
+    QUIET_S = 0.25
+    stop = _WarmUp.stop  # (no further query, the one in flight interrupted, joined)
+
+    def __init__(self, path: str, target: tuple):
+        super().__init__(name=f"{WARM_UP_THREAD} prefetch {path}", daemon=True)
+        self.path, self.target, self.stopping = path, target, False
+        _WARM_UPS.add(self)
+
+    def run(self) -> None:
+        _PAGE_QUERIES.wait_quiet(self, self.QUIET_S)
+        if self.going_on():
+            _prefetch(self.path, self.target, self.going_on)
+
+    def going_on(self) -> bool:
+        """Not stopped, and the process is not exiting (its main thread has ended: the exit handlers that close
+        the stores may have run, and a thread inside DuckDB then aborts the process)."""
+        return not self.stopping and threading.main_thread().is_alive()
+
+
+@st.cache_resource(ttl=lab_ui.TTL_S, show_spinner=False, max_entries=32, on_release=_Prefetch.stop)
+def _prefetch_at(path: str, fp: str, target: tuple) -> _Prefetch:
+    thread = _Prefetch(path, target)
     thread.start()
     return thread
 

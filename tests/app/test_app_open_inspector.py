@@ -151,7 +151,7 @@ def test_a_store_being_written_is_not_prefetched_again_at_each_refresh(tmp_path,
 
     _prefetch_on(monkeypatch, True)
     targets: list[tuple] = []
-    monkeypatch.setattr(lab_inspect, "_prefetch", lambda path, target: targets.append(target))
+    monkeypatch.setattr(lab_inspect, "_prefetch", lambda path, target, go_on: targets.append(target))
     rng = np.random.default_rng(3)
     with Recorder(tmp_path / "live", "live", framework="verl", rollout_engine="vllm", rollout_dtype="bf16") as rec:
         lmu = -rng.exponential(1.0, (B, T))
