@@ -156,7 +156,7 @@ class _Prefetch(threading.Thread):
     wait (the button is the last thing its page draws, so the page's queries are done), then queries as a page
     does (the warm-up waits for it). Stopped at process exit with the warm-ups (`lab_stores._shutdown`)."""
 
-    QUIET_S = 0.25
+    QUIET_S = 0.5  # at 0.25 its queries overlapped the end of the interaction that drew the button
     stop = _WarmUp.stop  # (no further query, the one in flight interrupted, joined)
 
     def __init__(self, path: str, target: tuple):
