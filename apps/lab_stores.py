@@ -71,6 +71,15 @@ class _PageQueries:
                 self._last = time.monotonic()
                 self._cond.notify_all()
 
+    def mark(self) -> None:
+        """A page run starts or ends: the warm-up's quiet wait counts from now. Without the start's mark a
+        warm-up that a page run just started saw no page query yet and went through its whole list (the
+        rules' torch import included) beside that page's first load; without the end's, the import waited
+        only from the page's last query, while the page still drew."""
+        with self._cond:
+            self._last = time.monotonic()
+            self._cond.notify_all()
+
     def wake(self) -> None:
         """Wake the waiting warm-ups (one was asked to stop)."""
         with self._cond:
@@ -87,6 +96,18 @@ class _PageQueries:
 
 
 _PAGE_QUERIES = _PageQueries()
+
+
+@contextlib.contextmanager
+def page_run():
+    """Around a page's script run (apps/streamlit_app.py): marks its start and end for the warm-up
+    (`_PageQueries.mark`). Only marks, no count held over the run: a page run may wait on a result the
+    warm-up is computing (a cache's lock), so the warm-up must not wait for the run to end."""
+    _PAGE_QUERIES.mark()
+    try:
+        yield
+    finally:
+        _PAGE_QUERIES.mark()
 
 
 def yield_to_pages(quiet_s: float = _PageQueries.QUIET_S) -> None:

@@ -61,7 +61,7 @@ from lab_draw import (  # noqa: F401
     token_html,
     token_label,
 )
-from lab_stores import StoreClosed, _WarmUp, clear_at_exit, yield_to_pages  # noqa: F401
+from lab_stores import StoreClosed, _WarmUp, clear_at_exit, page_run, yield_to_pages  # noqa: F401
 
 from mismatch_lab.analysis import (
     browse,

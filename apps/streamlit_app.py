@@ -45,6 +45,7 @@ PAGES = {
 }
 
 page = st.navigation(PAGES)
-lab_inspect.switch_if_asked()  # a button's click that opens the token inspector: before any page runs again
-lab_ui.sidebar_store_picker()
-page.run()
+with lab_ui.page_run():  # the warm-up waits for quiet counted from this run's start and end
+    lab_inspect.switch_if_asked()  # a button's click that opens the token inspector: before any page runs again
+    lab_ui.sidebar_store_picker()
+    page.run()
