@@ -45,7 +45,9 @@ PAGES = {
 }
 
 page = st.navigation(PAGES)
-with lab_ui.page_run():  # the warm-up waits for quiet counted from this run's start and end
+first_load = "app_loaded" not in st.session_state  # the session's first run: its first page load
+st.session_state["app_loaded"] = True
+with lab_ui.page_run(first_load):  # the warm-up's quiet wait counts from a first load's start and end
     lab_inspect.switch_if_asked()  # a button's click that opens the token inspector: before any page runs again
     lab_ui.sidebar_store_picker()
     page.run()
