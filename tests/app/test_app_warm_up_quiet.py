@@ -68,3 +68,25 @@ def test_a_later_page_run_of_a_session_does_not_hold_the_warm_up_back():
             time.sleep(QUIET_S / 3)
     thread.join(10)
     assert when and when[0] - start < 5 * QUIET_S  # at most quiet_s after an earlier test's last mark
+
+
+def test_the_warm_up_reads_a_result_on_disk_without_waiting_for_pages(tmp_path, monkeypatch):
+    """The warm-up's fetch runs inside the memory cache's lock of its result, where a page asking for the same
+    one waits uncounted: a result already on disk is read at once, not after the pages' quiet span."""
+    import lab_cache
+
+    monkeypatch.setenv("MISMATCH_LAB_CACHE", str(tmp_path / "cache"))
+    store = tmp_path / "store"
+    store.mkdir()
+    lab_cache.disk(str(store)).put(("q",), "fp", 42)
+    found = []
+
+    def work(_path):
+        t = time.monotonic()
+        found.append((lab_cache._fetch(str(store), ("q",), "fp", lambda: 0), time.monotonic() - t))
+
+    with lab_stores._PAGE_QUERIES.running():  # a page query in flight for the whole test
+        thread = lab_stores._WarmUp(str(store), work)
+        thread.start()
+        thread.join(2 * lab_stores._PageQueries.QUIET_S)
+        assert found and found[0][0] == 42 and found[0][1] < lab_stores._PageQueries.QUIET_S
