@@ -101,12 +101,17 @@ def test_every_overview_look_up_per_unit_equals_the_whole_store_query_as_the_run
     assert runs.loc["live", "status"] == "complete" and first["list_runs"].set_index("run_id").loc["live", "status"] == "running"
 
 
+def _steps_logged(path, steps: int):
+    """A live store of `steps` logged steps; returns a scores shard of step 1."""
+    with _live(path) as rec:
+        for step in range(steps):
+            _log(rec, step, step)
+    return min(path.glob("scores/live/step-00000001/*.parquet"))
+
+
 def test_the_overview_per_unit_leaves_a_damaged_shard_out_and_says_so_as_the_whole_store_does(tmp_path):
     path = tmp_path / "live"
-    with _live(path) as rec:
-        for step in range(4):
-            _log(rec, step, step)
-    shard = min(path.glob("scores/live/step-00000001/*.parquet"))
+    shard = _steps_logged(path, 4)
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])  # a node died mid-write
     mine = _assert_equal(path, cache.ResultsCache(path))
     assert mine["list_runs"]["steps"].tolist() == [3]
@@ -118,10 +123,7 @@ def test_a_store_whose_units_hold_an_exact_tv_is_judged_by_the_whole_store_docto
     import pyarrow.parquet as pq
 
     path = tmp_path / "live"
-    with _live(path) as rec:
-        for step in range(3):
-            _log(rec, step, step)
-    shard = min(path.glob("scores/live/step-00000001/*.parquet"))
+    shard = _steps_logged(path, 3)
     table = pq.read_table(shard)
     pq.write_table(table.append_column("tv_exact_vs_ref", pc.abs(table["logp"])), shard)  # another writer's column
     source = units_overview.OverviewUnits(path)
