@@ -141,10 +141,14 @@ def _keep_pair_tokens(path: str, rollout: str, scorer: str) -> None:
 @st.cache_data(ttl=TTL_S, show_spinner="Querying…", max_entries=512)
 def _volatility(path: str, fp: str, rollout: str, scorer: str, buckets: str, n_buckets: int, eps_low: float,
                 eps_high: float):
-    """A pair's volatility table as of `fp`, computed from the pair's tokens (`_pair_tokens`) when not cached."""
+    """A pair's volatility table as of `fp`, computed from the pair's tokens (`_pair_tokens`) when not cached.
+    The tokens are looked up before `_fetch` counts this as a page query: a warm-up reading them holds their
+    lock while it waits for the pages to be quiet, and a page waiting on that lock counted as querying kept
+    it waiting for ever."""
     query_ = ("volatility", rollout, scorer, buckets, n_buckets, eps_low, eps_high)
+    tokens = None if disk(path).has(query_, fp) else _pair_tokens(path, fp, rollout, scorer)
     return _fetch(path, query_, fp, lambda: volatility.volatility_of_pair(
-        _pair_tokens(path, fp, rollout, scorer), buckets, n_buckets, eps_low, eps_high))
+        tokens or _pair_tokens(path, fp, rollout, scorer), buckets, n_buckets, eps_low, eps_high))
 
 
 @st.cache_data(ttl=TTL_S, show_spinner="Querying the new steps…", max_entries=64)

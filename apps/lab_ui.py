@@ -469,6 +469,7 @@ def overview(name: str, path: str | None = None):
     path = path or live_store()
     module, _ = units_overview.OVERVIEW[name]
     if is_shard_store(path):
+        yield_to_pages()  # (the warm-up: here, not inside the cached function, whose lock a page may wait on)
         try:
             found = _overview_by_unit(path, fingerprint(path), name)
         except UserError as exc:  # what `store()` says of a store it cannot open
@@ -488,8 +489,7 @@ def _overview_by_unit(path: str, fp: str, name: str):
     def compute():
         return units_overview.OVERVIEW[name][1](units_overview.OverviewUnits(path, fp), disk(path))
 
-    if isinstance(threading.current_thread(), _WarmUp):
-        yield_to_pages()
+    if isinstance(threading.current_thread(), _WarmUp):  # (it waited for quiet in `overview`)
         return compute()
     with _PAGE_QUERIES.running():
         return compute()

@@ -79,3 +79,30 @@ def test_after_the_warm_up_every_bucketing_of_the_page_is_computed_without_joini
                                                                  n_buckets=n, eps_low=eps_low))
     finally:
         con.close()
+
+
+def test_a_page_asking_for_the_pair_tokens_the_warm_up_is_reading_waits_but_never_hangs(parquet_store, lab_ui):
+    """The warm-up reads a pair's tokens inside their cache lock and waits there for the pages to be quiet; a
+    page's bucketing that needs the same tokens waits on that lock. Counted as a page query while it waited
+    (the lookup inside the bucketing's fetch), the page kept the warm-up waiting, and both hung."""
+    import threading
+    import time
+
+    import lab_cache
+    import lab_stores
+
+    path = str(parquet_store)
+    fp = lab_ui.fingerprint(path)
+    pair = lab_ui._call(path, browse.list_pairs).iloc[0]
+    shown = []
+    with lab_stores._PAGE_QUERIES.running():  # another page query in flight: the warm-up waits in the lock
+        warm = lab_stores._WarmUp(path, lambda p: lab_cache._pair_tokens(p, fp, pair.rollout, pair.scorer))
+        warm.start()
+        time.sleep(0.3)  # the warm-up is inside _pair_tokens, waiting for quiet
+        page = threading.Thread(target=lambda: shown.append(lab_cache._volatility(
+            path, fp, pair.rollout, pair.scorer, "log", 7, 0.2, 0.28)), daemon=True)
+        page.start()
+        time.sleep(0.3)  # the page asks for the same tokens
+    page.join(3 * lab_stores._PageQueries.QUIET_S + 10)
+    warm.join(10)
+    assert shown and not shown[0].empty, "the page and the warm-up waited for each other"
