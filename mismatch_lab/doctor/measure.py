@@ -178,8 +178,9 @@ def corrections(m: Measurements) -> pd.DataFrame:
     from mismatch_lab.corrections.compare import compare
     from mismatch_lab.doctor.recommend import ADVISABLE
 
-    # in the app a large store is compared on a sample of whole prompt groups (1 in `every`), as its Corrections
-    # page opens: a sequence rule decides each kept sequence exactly as on the whole store
+    # in the app a large store is compared on a sample of whole prompt groups (1 in `every`, a power of two:
+    # `sample_every`; the Corrections page keeps its own stride, so its sample may be another): a sequence rule
+    # decides each kept sequence exactly as on the whole store
     every = 1 if m.sample_tokens is None else sample_every(sample.sample_size(m.con)["tokens"], m.sample_tokens)
     con = m.con if every == 1 else sample.sampled(m.con.cursor(), every)
     table = compare(con, methods=ADVISABLE)["corrections"]

@@ -284,7 +284,7 @@ def _on_frame(frame: pd.DataFrame, sql: str) -> pd.DataFrame:
 
 # --- damaged shards --------------------------------------------------------------------------------------------
 
-_DAMAGED: dict[tuple, list] = {}  # (store, unit, fingerprint) -> [(run_id, path, line)] of its damaged shards
+_DAMAGED: dict[tuple, tuple] = {}  # (store, unit) -> (its fingerprint, [(run_id, path, line)] of its damaged shards)
 _DAMAGED_LOCK = threading.Lock()
 
 
@@ -295,10 +295,10 @@ def _damaged(source: ShardUnits) -> list[tuple[str, str, str]]:
 
     snap, root, out = source.snap, source.scan.root, []
     for unit, fp in snap.fingerprints.items():
-        key = (source.key, unit, fp)
+        key = (source.key, unit)
         with _DAMAGED_LOCK:
-            found = _DAMAGED.get(key)
-        if found is None:
+            checked, found = _DAMAGED.get(key, (None, None))
+        if checked != fp:  # (one entry a unit: a unit rewritten at every refresh does not add one each time)
             tables = snap.units[unit]
             names = {f[0] for f in tables.get("sequences", ())}
             paths = [(t, root / t / unit[0] / f"step-{unit[1]:08d}" / f[0]) for t, files in tables.items()
@@ -307,7 +307,7 @@ def _damaged(source: ShardUnits) -> list[tuple[str, str, str]]:
             found = [(d.run_id, d.path, d.line()) for d in (Damaged(root, t, str(p), why) for t, p, why in whys
                                                             if why is not None)]
             with _DAMAGED_LOCK:
-                _DAMAGED[key] = found
+                _DAMAGED[key] = (fp, found)
         out += found
     return sorted(out)
 
