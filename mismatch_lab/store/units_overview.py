@@ -118,13 +118,16 @@ def flags(con) -> pd.DataFrame:
     from mismatch_lab.analysis.relations import query, table_columns
 
     scols = table_columns(con, "scores")
-    count = {name: f"count(s.{name})" if name in scols else "0" for name in ("tv_exact_vs_ref", "log_support")}
+    count = {name: f"count(s.{name})" if name in scols else "0"
+             for name in ("tv_exact_vs_ref", "log_support", "logps_at_rollout_topk")}
     return query(con, f"""
         WITH s AS (SELECT s.run_id, s.seq_id, {count['tv_exact_vs_ref']} AS n_exact,
-                          {count['log_support']} AS n_log_s FROM scores s GROUP BY ALL),
+                          {count['log_support']} AS n_log_s, {count['logps_at_rollout_topk']} AS n_topk
+                   FROM scores s GROUP BY ALL),
              r AS (SELECT run_id, seq_id, count(*) AS n_routing FROM routing GROUP BY ALL)
         SELECT q.run_id, q.step, coalesce(sum(s.n_exact), 0)::BIGINT AS n_exact,
-               coalesce(sum(s.n_log_s), 0)::BIGINT AS n_log_s, coalesce(sum(r.n_routing), 0)::BIGINT AS n_routing
+               coalesce(sum(s.n_log_s), 0)::BIGINT AS n_log_s, coalesce(sum(s.n_topk), 0)::BIGINT AS n_topk,
+               coalesce(sum(r.n_routing), 0)::BIGINT AS n_routing
         FROM sequences q LEFT JOIN s USING (run_id, seq_id) LEFT JOIN r USING (run_id, seq_id) GROUP BY ALL""")
 
 
@@ -213,10 +216,12 @@ _MEMO_LOCK = threading.Lock()
 
 def _exact(source: ShardUnits, results: cache.ResultsCache) -> bool:
     """Whether the doctor merged from parts equals the whole store's (module doc): no unit holds routing rows,
-    an exact TV or a log S, and no two collect runs of a rollout differ in their generation batch alone."""
+    an exact TV, a log S or the trainer's top-K (the top-K rules are skipped for a pair where any finite token
+    lacks the lists: not a sum of parts), and no two collect runs of a rollout differ in their generation batch
+    alone."""
     from mismatch_lab.figures.batch import batch_groups, batch_runs
 
-    found = by_unit(source, results, "flags")[["n_exact", "n_log_s", "n_routing"]]
+    found = by_unit(source, results, "flags")[["n_exact", "n_log_s", "n_topk", "n_routing"]]
     return not found.to_numpy().any() and not _on_runs(source, results, "batch_groups",
                                                        lambda con: bool(batch_groups(batch_runs(con))))
 

@@ -118,14 +118,23 @@ def test_the_overview_per_unit_leaves_a_damaged_shard_out_and_says_so_as_the_who
     assert all("incomplete: read without 1 damaged shard(s)" in v["detail"] for v in mine["doctor_view"].verdicts)
 
 
-def test_a_store_whose_units_hold_an_exact_tv_is_judged_by_the_whole_store_doctor(tmp_path):
+@pytest.mark.parametrize("column", ["tv_exact_vs_ref", "logps_at_rollout_topk"])
+def test_a_store_whose_units_hold_an_exact_tv_or_the_trainers_top_k_is_judged_by_the_whole_store_doctor(
+        tmp_path, column):
+    """Columns no writer of ours puts in a shard store (another writer's): the merge does not reproduce what
+    they change (the exact-TV checks; the top-K rules' dropped shares, skipped where any finite token of the
+    pair lacks the lists, which per-unit parts cannot tell)."""
+    import pyarrow as pa
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
     path = tmp_path / "live"
     shard = _steps_logged(path, 3)
     table = pq.read_table(shard)
-    pq.write_table(table.append_column("tv_exact_vs_ref", pc.abs(table["logp"])), shard)  # another writer's column
+    values = {"tv_exact_vs_ref": lambda: pc.abs(table["logp"]),
+              "logps_at_rollout_topk": lambda: pa.array([[x] for x in table["logp"].to_pylist()],
+                                                        pa.list_(pa.float64()))}[column]()
+    pq.write_table(table.append_column(column, values), shard)  # another writer's column
     source = units_overview.OverviewUnits(path)
     assert units_overview.doctor_view(source, cache.ResultsCache(path)) is None  # not merged: the whole store's
 
