@@ -175,15 +175,21 @@ class Scan:
         out."""
         out: dict[str, list[str]] = {"runs": [str(self.root / "runs" / run / f[0]) for run in sorted(snap.runs)
                                               for f in snap.runs[run]]}
-        for run, step in sorted(units):
-            tables = snap.units.get((run, step), {})
-            names = {f[0] for f in tables.get("sequences", ())}
-            paths = {t: [self.root / t / run / f"step-{step:08d}" / f[0] for f in files if f[0] in names]
-                     for t, files in tables.items()}
+        for unit in sorted(units):
+            paths = self.committed(snap, unit)
+            names = {p.name for ps in paths.values() for p in ps}
             names -= {p.name for ps in paths.values() for p in ps if parquet_damage(p) is not None}
             for table, ps in paths.items():
                 out.setdefault(table, []).extend(str(p) for p in ps if p.name in names)
         return {t: sorted(fs) for t, fs in out.items() if fs}
+
+    def committed(self, snap: Snapshot, unit: Unit) -> dict[str, list[Path]]:
+        """table -> the committed shards of `unit` (those whose sequences shard of the same name exists)."""
+        run, step = unit
+        tables = snap.units.get(unit, {})
+        names = {f[0] for f in tables.get("sequences", ())}
+        return {t: [self.root / t / run / f"step-{step:08d}" / f[0] for f in files if f[0] in names]
+                for t, files in tables.items()}
 
 
 _SCANS: dict[str, Scan] = {}

@@ -304,11 +304,7 @@ def _damaged(source: ShardUnits) -> list[tuple[str, str, str]]:
         with _DAMAGED_LOCK:
             checked, found = _DAMAGED.get(key, (None, None))
         if checked != fp:  # (one entry a unit: a unit rewritten at every refresh does not add one each time)
-            tables = snap.units[unit]
-            names = {f[0] for f in tables.get("sequences", ())}
-            paths = [(t, root / t / unit[0] / f"step-{unit[1]:08d}" / f[0]) for t, files in tables.items()
-                     for f in files if f[0] in names]
-            whys = [(t, p, parquet_damage(p)) for t, p in paths]
+            whys = [(t, p, parquet_damage(p)) for t, ps in source.scan.committed(snap, unit).items() for p in ps]
             found = [(d.run_id, d.path, d.line()) for d in (Damaged(root, t, str(p), why) for t, p, why in whys
                                                             if why is not None)]
             with _DAMAGED_LOCK:
