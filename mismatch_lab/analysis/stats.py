@@ -1,6 +1,8 @@
 """Small statistics without scipy: the Student t quantile and an OLS slope with its t-interval.
 
-    t_quantile(p, df)           the p-quantile of Student's t with integer df >= 1 (exact CDF, bisection)
+    t_quantile(p, df)           the p-quantile of Student's t with integer df >= 1 (exact CDF; Newton steps on
+                                its density, kept inside a bisection bracket: the CDF's finite sum costs O(df),
+                                and 30,000 sequences took ~50 bisection steps, 60 ms, a fit)
     slope_ci(x, y, level=0.95)  ordinary least squares y = a + b x: b, its standard error and the
                                 two-sided `level` t-interval b ± t_{(1+level)/2, n-2} · se(b)
     origin_slope_ci(x, y, ...)  the same for the line through the origin y = b x (no intercept):
@@ -9,6 +11,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -34,19 +37,33 @@ def _t_abs_cdf(t: float, df: int) -> float:
     return 2.0 / math.pi * (theta + s * math.cos(theta) * total)
 
 
+def _t_density2(t: float, df: int) -> float:
+    """d/dt P(|T| < t) = 2 f(t), f the density of Student's t with df degrees of freedom."""
+    log_c = math.lgamma((df + 1) / 2.0) - math.lgamma(df / 2.0) - 0.5 * math.log(df * math.pi)
+    return 2.0 * math.exp(log_c - (df + 1) / 2.0 * math.log1p(t * t / df))
+
+
+@functools.lru_cache(maxsize=4096)
 def t_quantile(p: float, df: int) -> float:
-    """The p-quantile (0.5 < p < 1) of Student's t with `df` >= 1 degrees of freedom, to ~1e-12."""
+    """The p-quantile (0.5 < p < 1) of Student's t with `df` >= 1 degrees of freedom, to ~1e-13 relative where the
+    CDF's finite sum is that exact (its rounding grows with df: a few 1e-11 at df 30,000 in the far tail): Newton
+    steps on P(|T| < t) = 2p - 1 from the bracket's midpoint, each kept inside the bracket [lo, hi] the CDF's
+    sign narrows (a step leaving it is a bisection step instead)."""
     if not 0.5 < p < 1.0 or df < 1:
         raise ValueError(f"t_quantile needs 0.5 < p < 1 and df >= 1, got p={p}, df={df}")
     target, lo, hi = 2.0 * p - 1.0, 0.0, 1.0
     while _t_abs_cdf(hi, df) < target:
-        hi *= 2.0
+        lo, hi = hi, 2.0 * hi
+    t = 0.5 * (lo + hi)
     for _ in range(200):
-        mid = 0.5 * (lo + hi)
-        lo, hi = (mid, hi) if _t_abs_cdf(mid, df) < target else (lo, mid)
-        if hi - lo < 1e-13 * max(1.0, hi):
-            break
-    return 0.5 * (lo + hi)
+        below = _t_abs_cdf(t, df) - target
+        lo, hi = (t, hi) if below < 0 else (lo, t)
+        step = t - below / _t_density2(t, df)
+        step = step if lo < step < hi else 0.5 * (lo + hi)
+        if abs(step - t) < 1e-13 * max(1.0, t) or hi - lo < 1e-13 * max(1.0, hi):
+            return step
+        t = step
+    return t
 
 
 @dataclass(frozen=True)

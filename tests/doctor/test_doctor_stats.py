@@ -78,3 +78,23 @@ def test_the_slope_through_the_origin_equals_least_squares_without_an_intercept(
     assert fit.ci_low < -0.001 < fit.ci_high  # covers the planted rate
     with pytest.raises(ValueError, match="2 points"):
         origin_slope_ci([5.0], [1.0])
+
+
+def _bisected_t_quantile(p: float, df: int) -> float:
+    """The naive reference: bisection on the exact CDF to 1e-13 of the bracket."""
+    from mismatch_lab.analysis.stats import _t_abs_cdf
+
+    target, lo, hi = 2.0 * p - 1.0, 0.0, 1.0
+    while _t_abs_cdf(hi, df) < target:
+        hi *= 2.0
+    while hi - lo >= 1e-13 * max(1.0, hi):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if _t_abs_cdf(mid, df) < target else (lo, mid)
+    return 0.5 * (lo + hi)
+
+
+@pytest.mark.parametrize("p", [0.55, 0.9, 0.975, 0.995, 0.9999])
+@pytest.mark.parametrize("df", [1, 2, 3, 4, 5, 7, 10, 29, 30, 120, 999, 3200])
+def test_t_quantile_equals_bisection(p, df):
+    # Newton steps land where the bisection does, to the CDF's own rounding (its finite sum of df / 2 terms)
+    assert t_quantile.__wrapped__(p, df) == pytest.approx(_bisected_t_quantile(p, df), rel=1e-11)
