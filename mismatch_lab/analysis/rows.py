@@ -125,6 +125,14 @@ def rollup(grid: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
     return grid.groupby(keys, dropna=False, sort=False).agg(agg).reset_index()
 
 
+SEQUENCE_SUMS = (
+    "count(*) AS response_len", "count(*) FILTER (WHERE NOT finite) AS n_nonfinite",
+    "CASE WHEN bool_and(finite) THEN sum(dlogp) END AS logratio_sum",
+    "CASE WHEN bool_and(finite) THEN sum(k1) END AS seq_kl_k1",
+    "CASE WHEN bool_and(finite) THEN sum(k3) END AS seq_kl_k3",
+)
+"""`Rows.sequences`' columns, per sequence of a row set (sums NULL when the sequence holds a non-finite row)."""
+
 DEFAULT_BUCKETS = (("linear", d.N_LINEAR_BUCKETS), ("log", d.N_LOG_BUCKETS))
 """The mu buckets (scale, count) every analysis of run_all reads: a materialised row set stores them."""
 
@@ -463,15 +471,7 @@ class Rows:
             names = ["rollout", "scorer", "run_id", "seq_id"] + (["reference"] if side == "scorer" else [])
             keys = ", ".join(self._free(names) if side == "rollout" else names)  # the scorer side is live
             sign = ", any_value(adv_sign) AS adv_sign" if side == "rollout" else ""
-            sql = f"""
-                SELECT {keys},
-                    count(*) AS response_len,
-                    count(*) FILTER (WHERE NOT finite) AS n_nonfinite,
-                    CASE WHEN bool_and(finite) THEN sum(dlogp) END AS logratio_sum,
-                    CASE WHEN bool_and(finite) THEN sum(k1) END AS seq_kl_k1,
-                    CASE WHEN bool_and(finite) THEN sum(k3) END AS seq_kl_k3
-                    {sign}
-                FROM ({rel}) GROUP BY {keys}"""
+            sql = f"SELECT {keys}, {', '.join(SEQUENCE_SUMS)}{sign} FROM ({rel}) GROUP BY {keys}"
             return query(self.con, self._refill(sql, names, order=True) if side == "rollout" else f"{sql} ORDER BY {keys}", params)
 
         return self._run(("sequences", side), run)

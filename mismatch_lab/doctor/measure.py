@@ -77,15 +77,19 @@ def _sequence_sql(rel: str) -> str:
     return f"WITH seq AS ({per_sequence_sql(rel)}) {pair_sequence_sql('seq')}"
 
 
+PER_SEQUENCE = (
+    "bool_and(finite) AS ok", "count(*) AS n_rows",
+    "count(*) FILTER (WHERE NOT finite OR dlogp <> 0) AS n_unequal",
+    f"count_if(btv > {d.DELTA_TV!r}) AS n_tv", "count(*) FILTER (WHERE finite) AS n_fin",
+    "avg(abs(dlogp)) AS abs_dlogp", "sum(dlogp) AS lr_sum", "avg(k3) AS k3_mean",
+)
+"""The sums `pair_sequence_sql` reads, per sequence of a rollout row set (`relations.with_metrics` columns)."""
+
+
 def per_sequence_sql(rel: str) -> str:
-    """One row per (rollout, scorer, run_id, seq_id) of the rollout row set `rel`: the sums `pair_sequence_sql`
-    reads (every sequence lies in one unit of a shard store: `store.units_overview` keeps these rows per unit)."""
-    return f"""
-            SELECT rollout, scorer, run_id, seq_id, bool_and(finite) AS ok, count(*) AS n_rows,
-                   count(*) FILTER (WHERE NOT finite OR dlogp <> 0) AS n_unequal,
-                   count_if(btv > {d.DELTA_TV!r}) AS n_tv, count(*) FILTER (WHERE finite) AS n_fin,
-                   avg(abs(dlogp)) AS abs_dlogp, sum(dlogp) AS lr_sum, avg(k3) AS k3_mean
-            FROM ({rel}) GROUP BY ALL"""
+    """One row per (rollout, scorer, run_id, seq_id) of the rollout row set `rel`: PER_SEQUENCE (every sequence
+    lies in one unit of a shard store: `store.units_overview` keeps these rows per unit)."""
+    return f"SELECT rollout, scorer, run_id, seq_id, {', '.join(PER_SEQUENCE)} FROM ({rel}) GROUP BY ALL"
 
 
 def pair_sequence_sql(seq: str) -> str:

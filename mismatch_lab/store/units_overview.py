@@ -49,18 +49,6 @@ def _rows(con):
     return once(con, "overview_rows", lambda: Rows(con, Filters(), topk=False))
 
 
-def _steps(con) -> pd.DataFrame:
-    from mismatch_lab.analysis.relations import once, query
-
-    return once(con, "overview_steps", lambda: query(con, "SELECT run_id, seq_id, step FROM sequences"))
-
-
-def _with_step(con, frame: pd.DataFrame) -> pd.DataFrame:
-    """`frame` (rows per sequence) with its sequence's step."""
-    out = frame.merge(_steps(con), on=["run_id", "seq_id"], how="left")
-    return out.astype({"run_id": "object"})
-
-
 def unit_counts(con) -> pd.DataFrame:
     from mismatch_lab.analysis.relations import col, query, table_columns
 
@@ -80,32 +68,61 @@ def scorer_counts(con) -> pd.DataFrame:
         FROM scores s JOIN sequences q USING (run_id, seq_id) GROUP BY ALL""")
 
 
-def pair_sums(con) -> pd.DataFrame:
-    from mismatch_lab.analysis.rows import PRECISION_SUMS, Thresholds
+def _per_sequence(con) -> pd.DataFrame:
+    """One pass over the rollout row set, per (pair, sequence) in the whole-store order, with its step: the
+    columns of `Rows.sequences` (`rows.SEQUENCE_SUMS`, adv_sign), of the doctor's `measure.PER_SEQUENCE` and the
+    precision sums (`rows.PRECISION_SUMS`). The three look-ups below split it: one plan a refresh instead of
+    three (a plan of the per-token metrics' SQL costs ~15 ms of CPU; the rows of a few steps, ~1 ms)."""
+    from mismatch_lab.analysis.relations import once, query
+    from mismatch_lab.analysis.rows import PRECISION_SUMS, SEQUENCE_SUMS, Thresholds, sums_sql
+    from mismatch_lab.doctor.measure import PER_SEQUENCE
 
-    rows = _rows(con)
+    def run():
+        rows = _rows(con)
+        rel, params = rows.sql["rollout"]
+        sums = sums_sql(Thresholds(), PRECISION_SUMS, absent=rows._const).split(",\n")
+        parts = dict.fromkeys(p.strip() for p in (*SEQUENCE_SUMS, *PER_SEQUENCE, *sums))  # (n_nonfinite twice)
+        keys = ", ".join(SEQ_ORDER)
+        return query(con, f"""SELECT {keys}, any_value(step) AS step, any_value(adv_sign) AS adv_sign, {', '.join(parts)}
+                               FROM ({rel}) GROUP BY {keys} ORDER BY {keys}""", params).astype({"run_id": "object"})
+
+    return once(con, "overview_per_sequence", run)
+
+
+def _split(con, columns: list[str]) -> pd.DataFrame:
+    if not _rows(con).ok:
+        return pd.DataFrame(columns=[*SEQ_ORDER, "step"])
+    return _per_sequence(con)[[*SEQ_ORDER, *columns, "step"]]
+
+
+def pair_sums(con) -> pd.DataFrame:
+    """The precision sums per (pair, run, step) of the sequences with a step (`Rows.step_sums`, added up here
+    from the sequences' sums)."""
+    from mismatch_lab.analysis.rows import PRECISION_SUMS, rollup
+
     keys = ["rollout", "scorer", "run_id", "step"]
-    if not rows.ok:
+    if not _rows(con).ok:
         return pd.DataFrame(columns=[*keys, *PRECISION_SUMS])
-    return rows.step_sums(Thresholds())[[*keys, *PRECISION_SUMS]]
+    seqs = _per_sequence(con)
+    sums = rollup(seqs[seqs["step"].notna()], keys)
+    return sums.sort_values(keys, kind="stable").reset_index(drop=True)[[*keys, *PRECISION_SUMS]]
 
 
 def seq_drift(con) -> pd.DataFrame:
-    rows = _rows(con)
-    if not rows.ok:
-        return pd.DataFrame(columns=["rollout", "scorer", "run_id", "seq_id", "step"])
-    return _with_step(con, rows.sequences("rollout"))
+    from mismatch_lab.analysis.rows import SEQUENCE_SUMS
+
+    return _split(con, [_name(p) for p in SEQUENCE_SUMS] + ["adv_sign"])
 
 
 def seq_doctor(con) -> pd.DataFrame:
-    from mismatch_lab.analysis.relations import query
-    from mismatch_lab.doctor.measure import per_sequence_sql
+    from mismatch_lab.doctor.measure import PER_SEQUENCE
 
-    rows = _rows(con)
-    if not rows.ok:
-        return pd.DataFrame(columns=["rollout", "scorer", "run_id", "seq_id", "step"])
-    rel, params = rows.sql["rollout"]
-    return _with_step(con, query(con, per_sequence_sql(rel), params))
+    return _split(con, [_name(p) for p in PER_SEQUENCE])
+
+
+def _name(part: str) -> str:
+    """The column name of one '<expression> AS <name>' of a select list."""
+    return part.rsplit(" AS ", 1)[1]
 
 
 def nemo_rl(con) -> pd.DataFrame:
