@@ -74,7 +74,12 @@ def _per_sequence(con) -> pd.DataFrame:
     precision sums (`rows.PRECISION_SUMS`). The three look-ups below split it: one plan a refresh instead of
     three (a plan of the per-token metrics' SQL costs ~15 ms of CPU; the rows of a few steps, ~1 ms)."""
     from mismatch_lab.analysis.relations import once, query
-    from mismatch_lab.analysis.rows import PRECISION_SUMS, SEQUENCE_SUMS, Thresholds, sums_sql
+    from mismatch_lab.analysis.rows import (
+        PRECISION_SUMS,
+        SEQUENCE_SUMS,
+        Thresholds,
+        sums_sql,
+    )
     from mismatch_lab.doctor.measure import PER_SEQUENCE
 
     def run():
