@@ -412,7 +412,8 @@ def _compute(source, results: cache.ResultsCache, fps: dict[Unit, str], todo: li
     with source.connection(todo) as con, fixed_store(con):
         for q in dict.fromkeys([name, *source.queries]):
             fresh = _queries()[q].fn(con)
-            split = dict(iter(fresh.groupby(_unit_keys(fresh), sort=False))) if len(fresh) else {}
+            split = (({todo[0]: fresh} if len(todo) == 1 else dict(iter(fresh.groupby(_unit_keys(fresh), sort=False))))
+                     if len(fresh) else {})  # (one unit, a refresh's usual: its rows are the whole result)
             empty = fresh.iloc[:0]
             out[q] = ({u: split.get(u, empty).reset_index(drop=True) for u in todo}, empty)
     entries = {u: {q: rows[u] for q, (rows, _) in out.items()} for u in todo}

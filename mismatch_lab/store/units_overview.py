@@ -89,9 +89,10 @@ def _per_sequence(con) -> pd.DataFrame:
         parts = dict.fromkeys(p.strip() for p in (*SEQUENCE_SUMS, *PER_SEQUENCE, *sums))  # (n_nonfinite twice)
         keys = ", ".join(SEQ_ORDER)
         return query(con, f"""SELECT {keys}, any_value(step) AS step, any_value(adv_sign) AS adv_sign, {', '.join(parts)}
-                               FROM ({rel}) GROUP BY {keys} ORDER BY {keys}""", params).astype({"run_id": "object"})
+                               FROM ({rel}) GROUP BY {keys} ORDER BY {keys}""", params)
 
-    return once(con, "overview_per_sequence", run)
+    out = once(con, "overview_per_sequence", run)
+    return out if out["run_id"].dtype == object else out.astype({"run_id": "object"})
 
 
 def _split(con, columns: list[str]) -> pd.DataFrame:
@@ -211,9 +212,9 @@ def list_runs(source: ShardUnits, results: cache.ResultsCache) -> pd.DataFrame:
 
 
 def _sequences(source, results, name: str) -> pd.DataFrame:
-    """The per-sequence rows of every unit (`seq_drift` / `seq_doctor`) in the whole-store order, without step."""
-    rows = by_unit(source, results, name)
-    return rows.sort_values(list(SEQ_ORDER), kind="stable").drop(columns="step").reset_index(drop=True)
+    """The per-sequence rows of every unit (`seq_drift` / `seq_doctor`) in the whole-store order (`by_unit` keeps
+    them sorted by SEQ_ORDER, their query's order), without step."""
+    return by_unit(source, results, name).drop(columns="step")
 
 
 def precision_table(source: ShardUnits, results: cache.ResultsCache) -> pd.DataFrame:
@@ -421,6 +422,8 @@ def _summed(parts: list[pd.DataFrame]) -> pd.DataFrame:
     found = [p for p in parts if len(p)]
     if not found:
         return parts[0] if parts else pd.DataFrame(columns=[*COUNT_KEYS, "note", "n_seqs", "n_seqs_masked"])
+    if len(found) == 1:  # (a refresh whose new steps hold no sampled prompt group adds an empty part)
+        return found[0]
     rows = pd.concat(found, ignore_index=True)
     return rows.groupby(COUNT_KEYS, sort=False).agg(note=("note", "first"), n_seqs=("n_seqs", "sum"),
                                                     n_seqs_masked=("n_seqs_masked", "sum")).reset_index()
