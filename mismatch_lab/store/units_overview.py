@@ -89,10 +89,9 @@ def _per_sequence(con) -> pd.DataFrame:
         parts = dict.fromkeys(p.strip() for p in (*SEQUENCE_SUMS, *PER_SEQUENCE, *sums))  # (n_nonfinite twice)
         keys = ", ".join(SEQ_ORDER)
         return query(con, f"""SELECT {keys}, any_value(step) AS step, any_value(adv_sign) AS adv_sign, {', '.join(parts)}
-                               FROM ({rel}) GROUP BY {keys} ORDER BY {keys}""", params)
+                               FROM ({rel}) GROUP BY {keys} ORDER BY {keys}""", params).astype({"run_id": "object"})
 
-    out = once(con, "overview_per_sequence", run)
-    return out if out["run_id"].dtype == object else out.astype({"run_id": "object"})
+    return once(con, "overview_per_sequence", run)
 
 
 def _split(con, columns: list[str]) -> pd.DataFrame:
