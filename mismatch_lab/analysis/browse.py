@@ -126,12 +126,13 @@ def list_sequences(con, run_id: str, *, step: int | None = None) -> pd.DataFrame
     if step is not None:
         where += " AND step = ?"
         params.append(int(step))
-    return _df(
-        con,
-        f"""SELECT seq_id, {_sequence_columns(con, 'sequences')}
-            FROM sequences WHERE {where} ORDER BY seq_id""",
-        params,
-    )
+    return _df(con, sequences_sql(con, where, ["seq_id"]), params)
+
+
+def sequences_sql(con, where: str, keys: list[str]) -> str:
+    """`list_sequences`' query: `keys` (ordered by) and SEQUENCE_COLUMNS of the sequences WHERE `where`."""
+    return (f"SELECT {', '.join(keys)}, {_sequence_columns(con, 'sequences')} FROM sequences WHERE {where} "
+            f"ORDER BY {', '.join(keys)}")
 
 
 SEQUENCE_COLUMNS = (("prompt_id", "VARCHAR"), ("sample_idx", "INTEGER"), ("step", "INTEGER"),
@@ -326,16 +327,17 @@ def training_steps(con, run_id: str) -> pd.DataFrame:
 
     Columns: step, n_sequences, n_tokens (sum of response_len), n_rewarded, mean_reward, mean_advantage.
     """
-    return _df(
-        con,
-        f"""
-        SELECT step, count(*) AS n_sequences, sum(response_len)::BIGINT AS n_tokens, count(reward) AS n_rewarded,
+    return _df(con, training_steps_sql(con, "run_id = ?", ["step"]), [run_id])
+
+
+def training_steps_sql(con, where: str, keys: list[str]) -> str:
+    """`training_steps`' query, grouped by `keys` (step, and run_id for every run at once)."""
+    by = ", ".join(keys)
+    return f"""
+        SELECT {by}, count(*) AS n_sequences, sum(response_len)::BIGINT AS n_tokens, count(reward) AS n_rewarded,
                avg(reward) AS mean_reward, avg(advantage) AS mean_advantage
-        FROM (SELECT run_id, {_sequence_columns(con, 'sequences')} FROM sequences) WHERE run_id = ? AND step IS NOT NULL
-        GROUP BY step ORDER BY step
-        """,
-        [run_id],
-    )
+        FROM (SELECT run_id, {_sequence_columns(con, 'sequences')} FROM sequences) WHERE {where} AND step IS NOT NULL
+        GROUP BY {by} ORDER BY {by}"""
 
 
 def train_metric_names(con, run_ids: list[str] | None = None) -> list[str]:

@@ -29,7 +29,7 @@ import pandas as pd
 
 from mismatch_lab.analysis import definitions as d
 from mismatch_lab.analysis.precision import token_metrics
-from mismatch_lab.analysis.relations import Filters, empty, once, table_columns
+from mismatch_lab.analysis.relations import Filters, empty, table_columns
 from mismatch_lab.analysis.rows import PRECISION_SUMS, Rows, Thresholds, rollup
 
 METRIC_COLUMNS = ["abs_dp_mean", "abs_dlogp_mean", "kl_k3", "frac_ratio_outside_clip"]
@@ -86,31 +86,18 @@ def series_of(s: pd.DataFrame) -> pd.DataFrame:
 def step_counts(con: duckdb.DuckDBPyConnection) -> pd.DataFrame:
     """`browse.training_steps` of every run with sequences on `con`, with its run_id first: per (run_id, step)
     the sequence and token counts and reward means (the Training page's step list, kept per unit by
-    `store.units`)."""
-    from mismatch_lab.analysis.browse import training_steps
+    `store.units`). One query for every run."""
+    from mismatch_lab.analysis.browse import _df, training_steps_sql
 
-    runs = _runs_with_sequences(con)
-    parts = [training_steps(con, run).assign(run_id=run) for run in runs]
-    if not parts:
-        return training_steps(con, "").assign(run_id=pd.Series(dtype=object))[["run_id", *STEP_COUNT_COLUMNS]]
-    return pd.concat(parts, ignore_index=True)[["run_id", *STEP_COUNT_COLUMNS]]
+    return _df(con, training_steps_sql(con, "true", ["run_id", "step"]))[["run_id", *STEP_COUNT_COLUMNS]]
 
 
 def step_sequences(con: duckdb.DuckDBPyConnection) -> pd.DataFrame:
     """`browse.list_sequences` of every run with sequences on `con`, with its run_id first (the Training page's
-    sequences of a step, kept per unit by `store.units`)."""
-    from mismatch_lab.analysis.browse import list_sequences
+    sequences of a step, kept per unit by `store.units`). One query for every run."""
+    from mismatch_lab.analysis.browse import _df, sequences_sql
 
-    runs = _runs_with_sequences(con)
-    parts = [list_sequences(con, run).assign(run_id=run) for run in runs] or [list_sequences(con, "").assign(run_id="")]
-    out = pd.concat(parts, ignore_index=True)
-    return out[["run_id", *(c for c in out.columns if c != "run_id")]]
-
-
-def _runs_with_sequences(con: duckdb.DuckDBPyConnection) -> list:
-    """The run ids that have sequences on `con`, in order (once inside `relations.fixed_store`)."""
-    return once(con, "runs_with_sequences", lambda: [
-        r for (r,) in con.execute("SELECT DISTINCT run_id FROM sequences ORDER BY run_id").fetchall()])
+    return _df(con, sequences_sql(con, "true", ["run_id", "seq_id"]))
 
 
 STEP_COUNT_COLUMNS = ["step", "n_sequences", "n_tokens", "n_rewarded", "mean_reward", "mean_advantage"]
