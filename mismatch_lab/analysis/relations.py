@@ -84,6 +84,18 @@ def once(con: duckdb.DuckDBPyConnection, key: str, compute: Callable[[], object]
     return memo[key]
 
 
+def prime(con: duckdb.DuckDBPyConnection, key: str, value) -> None:
+    """Set the look-up `key` of `once` inside `fixed_store(con)` to `value` (known to the caller, e.g. from the
+    same files read before); nothing outside it."""
+    if _held(con):
+        _FIXED.get()[1][key] = value
+
+
+def run_ids(con: duckdb.DuckDBPyConnection) -> list:
+    """The run ids of the `runs` table on `con` (once inside `fixed_store`)."""
+    return once(con, "runs", lambda: [r[0] for r in con.execute("SELECT DISTINCT run_id FROM runs").fetchall()])
+
+
 def _columns(con: duckdb.DuckDBPyConnection, table: str | None = None) -> dict[str, set[str]]:
     """table -> its columns less the filled ones (`table_columns`), of `table` only or of every table."""
     sql, params = (f"{_COLUMNS_SQL} AND table_name = ?", [table]) if table else (_COLUMNS_SQL, [])
@@ -320,7 +332,7 @@ def _one_run(con: duckdb.DuckDBPyConnection, filters: Filters, params: dict) -> 
     column key, without hashing and comparing a run id string a token (~30 % of the join at 10^7)."""
     runs = filters.run_ids
     if runs is None:
-        runs = once(con, "runs", lambda: [r[0] for r in con.execute("SELECT DISTINCT run_id FROM runs").fetchall()])
+        runs = run_ids(con)
     if len(set(runs)) != 1 or runs[0] is None:
         return ""
     params["one_run"] = runs[0]

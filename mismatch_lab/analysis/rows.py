@@ -183,7 +183,10 @@ class Rows:
             self.sql["rollout"] = (with_metrics(table, STORED_METRICS), {})
         else:
             sql, params = rollout_base(con, self.filters, topk=rollout_topk)
-            self.sql["rollout"] = (with_metrics(sql), params)
+            stored = ()
+            if not rollout_topk:  # the top-K metric is the NULL it would compute, not a list lambda to plan
+                sql, stored = f"SELECT *, {self._const['topk']} AS topk FROM ({sql})", STORED_METRICS
+            self.sql["rollout"] = (with_metrics(sql, stored), params)
 
     def _scorer_sql(self, reference: str, topk: bool) -> tuple[str, dict]:
         sql, params = scorer_base(self.con, self.filters, reference, topk=topk)

@@ -268,6 +268,27 @@ class ShardUnits:
         finally:
             con.close()
 
+    def prime(self, con) -> None:
+        """Inside `relations.fixed_store(con)`: the run ids of the run rows as read from the same run-row files
+        before (every connection over units reads all of them; a query of the runs view costs ~5 ms of CPU)."""
+        from mismatch_lab.analysis.relations import prime, run_ids
+
+        key = (self.key, tuple(sorted(self.snap.runs.items())))
+        with _RUN_IDS_LOCK:
+            found = _RUN_IDS.get(key)
+        if found is not None:
+            prime(con, "runs", found)
+            return
+        found = run_ids(con)
+        with _RUN_IDS_LOCK:
+            if len(_RUN_IDS) >= 64:
+                _RUN_IDS.clear()
+            _RUN_IDS[key] = found
+
+
+_RUN_IDS: dict[tuple, list] = {}  # (store, its run-row files with their stats) -> the run ids they hold
+_RUN_IDS_LOCK = threading.Lock()
+
 
 def duck_fingerprints(cur) -> dict[Unit, str]:
     """(run_id, step) -> the unit's checksum (module doc) on a DuckDB store's connection `cur`."""
@@ -302,6 +323,9 @@ class DuckUnits:
 
     def fingerprints(self) -> dict[Unit, str]:
         return duck_fingerprints(self.cur)
+
+    def prime(self, con) -> None:
+        """(Nothing known beforehand: `ShardUnits.prime`.)"""
 
     @contextlib.contextmanager
     def connection(self, units):
@@ -410,6 +434,7 @@ def _compute(source, results: cache.ResultsCache, fps: dict[Unit, str], todo: li
 
     out = {}
     with source.connection(todo) as con, fixed_store(con):
+        source.prime(con)
         for q in dict.fromkeys([name, *source.queries]):
             fresh = _queries()[q].fn(con)
             split = (({todo[0]: fresh} if len(todo) == 1 else dict(iter(fresh.groupby(_unit_keys(fresh), sort=False))))
@@ -465,6 +490,7 @@ def _on(source: ShardUnits, units, fn, *args, **kwargs):
     from mismatch_lab.analysis.relations import fixed_store
 
     with source.connection(units) as con, fixed_store(con):
+        source.prime(con)
         return fn(con, *args, **kwargs)
 
 
