@@ -15,6 +15,9 @@ What is kept per unit (`QUERIES`, computed together on one connection over the u
     flags          per unit: rows of what a per-unit merge does not reproduce (routing rows, a stored exact TV,
                    a stored log S); where any unit has one, the doctor falls back to the whole store
     groups         per unit: the hash of each prompt group (which units a sample of prompt groups reads)
+pair_sums, seq_drift and seq_doctor split one per-sequence pass over the rows (`_per_sequence`), unit_counts and
+flags one per-unit pass (`_unit_rows`): what a refresh pays whatever its size is mostly DuckDB planning each query
+(~15 ms of CPU for one over the per-token metrics).
 Every sequence of a shard unit carries the unit's step, and its token and score rows lie in the unit (the writers
 write them together): a unit's rows are split off by the sequences' (run_id, step). The runs' own columns, the
 skipped prompts and the batch-invariance runs come from the run rows alone (a connection over no unit). A unit
@@ -49,15 +52,34 @@ def _rows(con):
     return once(con, "overview_rows", lambda: Rows(con, Filters(), topk=False))
 
 
-def unit_counts(con) -> pd.DataFrame:
-    from mismatch_lab.analysis.relations import col, query, table_columns
+def _unit_rows(con) -> pd.DataFrame:
+    """Per (run_id, step) in one query: the run list's counts (`unit_counts`) and the rows a per-unit merge does
+    not reproduce (`flags`)."""
+    from mismatch_lab.analysis.relations import col, once, query, table_columns
 
-    reward = col(table_columns(con, "sequences"), "q", "reward", "DOUBLE")
-    return query(con, f"""
-        WITH t AS (SELECT run_id, seq_id, count(*) AS n FROM tokens GROUP BY ALL)
-        SELECT q.run_id, q.step, count(*) AS n_sequences, count({reward}) AS n_rewarded,
-               coalesce(sum(t.n), 0)::BIGINT AS n_tokens
-        FROM sequences q LEFT JOIN t USING (run_id, seq_id) GROUP BY ALL""")
+    def run():
+        reward = col(table_columns(con, "sequences"), "q", "reward", "DOUBLE")
+        scols = table_columns(con, "scores")
+        count = {name: f"count(s.{name})" if name in scols else "0"
+                 for name in ("tv_exact_vs_ref", "log_support", "logps_at_rollout_topk")}
+        return query(con, f"""
+            WITH t AS (SELECT run_id, seq_id, count(*) AS n FROM tokens GROUP BY ALL),
+                 s AS (SELECT s.run_id, s.seq_id, {count['tv_exact_vs_ref']} AS n_exact,
+                              {count['log_support']} AS n_log_s, {count['logps_at_rollout_topk']} AS n_topk
+                       FROM scores s GROUP BY ALL),
+                 r AS (SELECT run_id, seq_id, count(*) AS n_routing FROM routing GROUP BY ALL)
+            SELECT q.run_id, q.step, count(*) AS n_sequences, count({reward}) AS n_rewarded,
+                   coalesce(sum(t.n), 0)::BIGINT AS n_tokens, coalesce(sum(s.n_exact), 0)::BIGINT AS n_exact,
+                   coalesce(sum(s.n_log_s), 0)::BIGINT AS n_log_s, coalesce(sum(s.n_topk), 0)::BIGINT AS n_topk,
+                   coalesce(sum(r.n_routing), 0)::BIGINT AS n_routing
+            FROM sequences q LEFT JOIN t USING (run_id, seq_id) LEFT JOIN s USING (run_id, seq_id)
+                 LEFT JOIN r USING (run_id, seq_id) GROUP BY ALL""")
+
+    return once(con, "overview_unit_rows", run)
+
+
+def unit_counts(con) -> pd.DataFrame:
+    return _unit_rows(con)[["run_id", "step", "n_sequences", "n_rewarded", "n_tokens"]]
 
 
 def scorer_counts(con) -> pd.DataFrame:
@@ -137,20 +159,7 @@ def nemo_rl(con) -> pd.DataFrame:
 
 
 def flags(con) -> pd.DataFrame:
-    from mismatch_lab.analysis.relations import query, table_columns
-
-    scols = table_columns(con, "scores")
-    count = {name: f"count(s.{name})" if name in scols else "0"
-             for name in ("tv_exact_vs_ref", "log_support", "logps_at_rollout_topk")}
-    return query(con, f"""
-        WITH s AS (SELECT s.run_id, s.seq_id, {count['tv_exact_vs_ref']} AS n_exact,
-                          {count['log_support']} AS n_log_s, {count['logps_at_rollout_topk']} AS n_topk
-                   FROM scores s GROUP BY ALL),
-             r AS (SELECT run_id, seq_id, count(*) AS n_routing FROM routing GROUP BY ALL)
-        SELECT q.run_id, q.step, coalesce(sum(s.n_exact), 0)::BIGINT AS n_exact,
-               coalesce(sum(s.n_log_s), 0)::BIGINT AS n_log_s, coalesce(sum(s.n_topk), 0)::BIGINT AS n_topk,
-               coalesce(sum(r.n_routing), 0)::BIGINT AS n_routing
-        FROM sequences q LEFT JOIN s USING (run_id, seq_id) LEFT JOIN r USING (run_id, seq_id) GROUP BY ALL""")
+    return _unit_rows(con)[["run_id", "step", "n_exact", "n_log_s", "n_topk", "n_routing"]]
 
 
 def groups(con) -> pd.DataFrame:
