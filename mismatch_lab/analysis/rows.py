@@ -98,7 +98,7 @@ def sums_sql(t: Thresholds, only: tuple[str, ...] | None = None, absent: Iterabl
         out += [f"count_if({rule}) AS c_{name}", f"count_if(r > 1.0 AND {rule}) AS c_{name}_up",
                 f"count_if(r < 1.0 AND {rule}) AS c_{name}_down"]  # fmt: skip
     if only is not None:  # a pass that needs fewer statistics should not pay for the rest
-        out = [part for part in out if part.rsplit(" AS ", 1)[1] in only]
+        out = [part for part in out if column_name(part) in only]
     reads = [c for a in absent for c in ABSENT_READS[a]]
     return ",\n            ".join(_constant(part) if any(c in part for c in reads) else part for part in out)
 
@@ -109,11 +109,21 @@ ABSENT_READS = {"topk": ("topk_tv", "topk_kl"), "entropy": ("entropy",), "tv_exa
 
 def _constant(part: str) -> str:
     """'<aggregate> AS <name>' of sums_sql as the constant it gives over rows where its input is NULL."""
-    name = part.rsplit(" AS ", 1)[1]
+    name = column_name(part)
     return f"{'0::BIGINT' if name[0] in 'nc' else 'CAST(NULL AS DOUBLE)'} AS {name}"
 
 
-SUM_COLUMNS = [part.rsplit(" AS ", 1)[1] for part in sums_sql(Thresholds()).split(",\n")]
+def column_name(part: str) -> str:
+    """The name of one '<expression> AS <name>' of a select list (sums_sql's parts, SEQUENCE_SUMS)."""
+    return part.rsplit(" AS ", 1)[1]
+
+
+def select_parts(sql: str) -> list[str]:
+    """The '<expression> AS <name>' parts of a select list written by sums_sql."""
+    return [part.strip() for part in sql.split(",\n")]
+
+
+SUM_COLUMNS = [column_name(part) for part in select_parts(sums_sql(Thresholds()))]
 PRECISION_SUMS = ("n", "n_nonfinite", "s_btv", "x_btv", "s_dp", "s_adlogp", "x_adlogp", "s_dlogp", "s_k2", "s_k3",
                   "s_r2", "s_r1", "s_bkl", "c_hi", "c_lo", "c_dev", "c_bigdp")  # fmt: skip
 """What precision.token_metrics reads: all the scorer-vs-reference pass computes."""
@@ -187,6 +197,12 @@ class Rows:
             if not rollout_topk:  # the top-K metric is the NULL it would compute, not a list lambda to plan
                 sql, stored = f"SELECT *, {self._const['topk']} AS topk FROM ({sql})", STORED_METRICS
             self.sql["rollout"] = (with_metrics(sql, stored), params)
+
+    @property
+    def absent(self) -> dict[str, str]:
+        """The rollout-side columns the store lacks (name -> the SQL constant they read as): `sums_sql`'s
+        `absent` for a pass over this row set."""
+        return self._const
 
     def _scorer_sql(self, reference: str, topk: bool) -> tuple[str, dict]:
         sql, params = scorer_base(self.con, self.filters, reference, topk=topk)

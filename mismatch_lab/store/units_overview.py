@@ -100,6 +100,8 @@ def _per_sequence(con) -> pd.DataFrame:
         PRECISION_SUMS,
         SEQUENCE_SUMS,
         Thresholds,
+        column_name,
+        select_parts,
         sums_sql,
     )
     from mismatch_lab.doctor.measure import PER_SEQUENCE
@@ -107,16 +109,21 @@ def _per_sequence(con) -> pd.DataFrame:
     def run():
         rows = _rows(con)
         rel, params = rows.sql["rollout"]
-        sums = sums_sql(Thresholds(), PRECISION_SUMS, absent=rows._const).split(",\n")
-        parts = dict.fromkeys(p.strip() for p in (*SEQUENCE_SUMS, *PER_SEQUENCE, *sums))  # (n_nonfinite twice)
+        parts: dict[str, str] = {}  # name -> '<expression> AS <name>' (n_nonfinite is in two of the lists)
+        for part in (*SEQUENCE_SUMS, *PER_SEQUENCE, *select_parts(sums_sql(Thresholds(), PRECISION_SUMS,
+                                                                           absent=rows.absent))):
+            if parts.setdefault(column_name(part), part) != part:
+                raise ValueError(f"two definitions of the per-sequence column {column_name(part)!r}")
         keys = ", ".join(SEQ_ORDER)
-        return query(con, f"""SELECT {keys}, any_value(step) AS step, any_value(adv_sign) AS adv_sign, {', '.join(parts)}
-                               FROM ({rel}) GROUP BY {keys} ORDER BY {keys}""", params).astype({"run_id": "object"})
+        return query(con, f"""SELECT {keys}, any_value(step) AS step, any_value(adv_sign) AS adv_sign,
+                                     {', '.join(parts.values())}
+                              FROM ({rel}) GROUP BY {keys} ORDER BY {keys}""", params).astype({"run_id": "object"})
 
     return once(con, "overview_per_sequence", run)
 
 
-def _split(con, columns: list[str]) -> pd.DataFrame:
+def _columns_of(con, columns: list[str]) -> pd.DataFrame:
+    """Some columns of `_per_sequence`, with the sequence's keys and step."""
     if not _rows(con).ok:
         return pd.DataFrame(columns=[*SEQ_ORDER, "step"])
     return _per_sequence(con)[[*SEQ_ORDER, *columns, "step"]]
@@ -136,20 +143,16 @@ def pair_sums(con) -> pd.DataFrame:
 
 
 def seq_drift(con) -> pd.DataFrame:
-    from mismatch_lab.analysis.rows import SEQUENCE_SUMS
+    from mismatch_lab.analysis.rows import SEQUENCE_SUMS, column_name
 
-    return _split(con, [_name(p) for p in SEQUENCE_SUMS] + ["adv_sign"])
+    return _columns_of(con, [column_name(p) for p in SEQUENCE_SUMS] + ["adv_sign"])
 
 
 def seq_doctor(con) -> pd.DataFrame:
+    from mismatch_lab.analysis.rows import column_name
     from mismatch_lab.doctor.measure import PER_SEQUENCE
 
-    return _split(con, [_name(p) for p in PER_SEQUENCE])
-
-
-def _name(part: str) -> str:
-    """The column name of one '<expression> AS <name>' of a select list."""
-    return part.rsplit(" AS ", 1)[1]
+    return _columns_of(con, [column_name(p) for p in PER_SEQUENCE])
 
 
 def nemo_rl(con) -> pd.DataFrame:
