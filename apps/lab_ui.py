@@ -296,7 +296,7 @@ def _sums_query(every: int | None, pair: tuple | None) -> tuple:
 
 @st.cache_resource(ttl=TTL_S, show_spinner=False, max_entries=8)  # (~13 MB each on 500,000 tokens)
 def _drops_at(path: str, fp: str, query: tuple):
-    """A pair's PairDrops from the results cache (~25 bytes a token), shared by the sessions
+    """A pair's PairDrops from the results cache (~12 bytes a token), shared by the sessions
     and never copied (read only); None when it is not there."""
     value = disk(path).get(query, fp)
     return None if value is cache.MISSING else value

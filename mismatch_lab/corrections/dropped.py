@@ -28,32 +28,37 @@ def _empty() -> pd.DataFrame:
 
 @dataclass
 class PairDrops:
-    """Every compared method's decisions on the finite tokens of one pair, in (run_id, seq_id, pos) order: the
-    tokens' keys as read (None: the pair has no finite token), log π − log μ, each sequence's first offset, and
-    per method label its dropped flags, packed (np.packbits; a method without an entry was not computed on the
-    pair: it needs top-K lists the pair lacks). ~25 bytes a token (run ids dictionary-encoded) plus 1 bit a
-    token and method."""
+    """Every compared method's decisions on the finite tokens of one pair, in (run_id, seq_id, pos) order: each
+    sequence's keys (run_id dictionary-encoded, seq_id; None: the pair has no finite token) and first offset,
+    each token's position and log π − log μ, and per method label its dropped flags, packed (np.packbits; a
+    method without an entry was not computed on the pair: it needs top-K lists the pair lacks). 12 bytes a token
+    (a position as int32, a float64) plus 1 bit a token and method, and ~12 bytes a sequence: a token's run and
+    sequence ids are its sequence's (keys a token took ~25 bytes: the comparison of 10 M tokens of 3 pairs kept
+    ~0.8 GB)."""
 
-    keys: pa.Table | None
+    seqs: pa.Table | None
+    pos: np.ndarray
     log_ratio: np.ndarray
     seq_start: np.ndarray
     dropped: dict[str, np.ndarray] = field(default_factory=dict)
 
     def tokens(self, method: str) -> pd.DataFrame:
         """`dropped_tokens` of `method` on this pair (the same rows, columns and dtypes)."""
-        if self.keys is None or method not in self.dropped:
+        if self.seqs is None or method not in self.dropped:
             return _empty()
         n = len(self.log_ratio)
         drop = np.unpackbits(self.dropped[method], count=n).astype(bool)
         kept_any = np.logical_or.reduceat(~drop, self.seq_start)
         hit = np.flatnonzero(drop)
-        keys = self.keys.take(hit)
+        seq = np.searchsorted(self.seq_start, hit, side="right") - 1  # each dropped token's sequence
+        keys = self.seqs.take(seq)
         run = keys.column("run_id")
-        if pa.types.is_dictionary(run.type):  # (kept dictionary-encoded: one run id per token takes ~40 % of them)
+        if pa.types.is_dictionary(run.type):
             keys = keys.set_column(0, "run_id", run.cast(run.type.value_type))
         out = keys.to_pandas()
+        out["pos"] = self.pos[hit]
         out["log_ratio"] = self.log_ratio[hit]
-        out["seq_dropped"] = np.repeat(~kept_any, np.diff(np.append(self.seq_start, n)))[hit]
+        out["seq_dropped"] = ~kept_any[seq]
         return out.astype({"seq_id": "int64", "pos": "int64", "seq_dropped": "bool"})[COLUMNS]
 
 
@@ -69,9 +74,13 @@ class DropRecorder:
         pair = (chunk.rows.column("rollout")[0].as_py(), chunk.rows.column("scorer")[0].as_py())
         if self._open is None or self._open["pair"] != pair:
             self._close()
-            self._open = {"pair": pair, "keys": [], "log_ratio": [], "seq_start": [], "n": 0, "keep": {}}
+            self._open = {"pair": pair, "seqs": [], "pos": [], "log_ratio": [], "seq_start": [], "n": 0, "keep": {}}
         p = self._open
-        p["keys"].append(chunk.rows.select(KEYS))
+        p["seqs"].append(chunk.rows.select(KEYS[:2]).take(chunk.seq_start))  # (chunks hold whole sequences)
+        pos = chunk.rows.column("pos").to_numpy()
+        if len(pos) and (pos.min() < 0 or pos.max() > np.iinfo(np.int32).max):
+            raise ValueError(f"token positions outside int32 ({pos.min()}..{pos.max()})")
+        p["pos"].append(pos.astype(np.int32))
         p["log_ratio"].append(chunk.lpi - chunk.lmu)
         p["seq_start"].append(chunk.seq_start + p["n"])
         p["n"] += chunk.n
@@ -85,10 +94,10 @@ class DropRecorder:
     def _close(self) -> None:
         p, self._open = self._open, None
         if p is not None:
-            keys = pa.Table.from_batches(p["keys"])
-            keys = keys.set_column(0, "run_id", pc.dictionary_encode(keys.column("run_id")))
+            seqs = pa.Table.from_batches(p["seqs"]).combine_chunks()
+            seqs = seqs.set_column(0, "run_id", pc.dictionary_encode(seqs.column("run_id")))
             self._done[p["pair"]] = PairDrops(
-                keys, np.concatenate(p["log_ratio"]), np.concatenate(p["seq_start"]),
+                seqs, np.concatenate(p["pos"]), np.concatenate(p["log_ratio"]), np.concatenate(p["seq_start"]),
                 {label: np.packbits(~np.concatenate(keep)) for label, keep in p["keep"].items()})
 
     def result(self) -> dict[tuple[str, str], PairDrops]:
@@ -132,9 +141,9 @@ def compare_with_drops(con, *, overrides: Mapping[str, Mapping[str, float]] | No
         if acc is None:  # (other chunks: never expected) every method, as without a base
             return compare_with_drops(con, overrides=overrides, chunk_tokens=chunk_tokens)
     drops = record.result()
-    nothing = PairDrops(None, np.zeros(0), np.zeros(0, dtype=np.int64))
+    nothing = PairDrops(None, np.zeros(0, dtype=np.int32), np.zeros(0), np.zeros(0, dtype=np.int64))
     if base is not None:
-        drops = {pair: PairDrops(d.keys, d.log_ratio, d.seq_start, {m: bits for m, bits in d.dropped.items()
+        drops = {pair: PairDrops(d.seqs, d.pos, d.log_ratio, d.seq_start, {m: bits for m, bits in d.dropped.items()
                                                                     if m not in {v.label for v in changed}}
                                  | drops.get(pair, nothing).dropped) for pair, d in base.drops.items()}
     tables = acc.tables(info)
