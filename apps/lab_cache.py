@@ -12,6 +12,7 @@ serve every bucketing of the pair as a GROUP BY over them, without the store. Th
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import threading
@@ -24,7 +25,6 @@ from lab_stores import (
     _Store,
     _WarmUp,
     clear_at_exit,
-    yield_to_pages,
 )
 
 from mismatch_lab.analysis import volatility
@@ -80,19 +80,11 @@ def _on_store(path: str, work, fp: str | None = None):
 
 def _fetch(path: str, query_: tuple, fp: str, compute):
     """A result the memory cache lacks: read from the disk cache, else computed and written there. A page's
-    fetch counts as page work, so the warm-up waits for it (unpickling a large table takes a core too)."""
-    if not isinstance(threading.current_thread(), _WarmUp):
-        with _PAGE_QUERIES.running():
-            return disk(path).get_or_compute(query_, fp, compute)
-    # the warm-up: a result on disk is read at once (milliseconds), without waiting for quiet. This runs inside
-    # the memory cache's lock of the result: a page asking for the same one waits on that lock, uncounted as a
-    # page query, so a wait for quiet here held the page up to QUIET_S (*Reload data*: 0.9-1.0 s wall, 0.15
-    # CPU s in Chromium)
-    found = disk(path).get(query_, fp)
-    if found is not cache.MISSING:
-        return found
-    yield_to_pages()
-    return disk(path).get_or_compute(query_, fp, compute)
+    fetch counts as page work, so the warm-up waits for it before its next step (unpickling a large table takes
+    a core too); the warm-up's does not wait here (it waited before its step: `lab_stores` module doc)."""
+    warm_up = isinstance(threading.current_thread(), _WarmUp)
+    with contextlib.nullcontext() if warm_up else _PAGE_QUERIES.running():
+        return disk(path).get_or_compute(query_, fp, compute)
 
 
 @st.cache_data(ttl=TTL_S, show_spinner="Querying…", max_entries=512)
@@ -141,10 +133,9 @@ def _keep_pair_tokens(path: str, rollout: str, scorer: str) -> None:
 @st.cache_data(ttl=TTL_S, show_spinner="Querying…", max_entries=512)
 def _volatility(path: str, fp: str, rollout: str, scorer: str, buckets: str, n_buckets: int, eps_low: float,
                 eps_high: float):
-    """A pair's volatility table as of `fp`, computed from the pair's tokens (`_pair_tokens`) when not cached.
-    The tokens are looked up before `_fetch` counts this as a page query: a warm-up reading them holds their
-    lock while it waits for the pages to be quiet, and a page waiting on that lock counted as querying kept
-    it waiting for ever."""
+    """A pair's volatility table as of `fp`, computed from the pair's tokens (`_pair_tokens`) when not cached
+    (looked up before `_fetch` counts this as a page query: a page waiting on the tokens' lock, which a warm-up
+    step reading them holds, is not counted as querying meanwhile)."""
     query_ = ("volatility", rollout, scorer, buckets, n_buckets, eps_low, eps_high)
     tokens = None if disk(path).has(query_, fp) else _pair_tokens(path, fp, rollout, scorer)
     return _fetch(path, query_, fp, lambda: volatility.volatility_of_pair(

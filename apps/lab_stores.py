@@ -6,7 +6,10 @@ another thread can interrupt it: DuckDB's `interrupt()` acts on one connection, 
 connection of its own. Streamlit serves every browser session from its own thread and one DuckDB
 connection must not be shared across threads, so each query has its own cursor. A warm-up thread
 (`_WarmUp`) stops on request (`_WarmUp.stop`: no further query, the one in flight interrupted, the
-thread joined); while a page queries, the warm-up waits (`_PageQueries`). A store the cache drops (its
+thread joined); while a page queries, the warm-up waits (`_PageQueries`), before each of its steps and never
+inside one: a step runs inside Streamlit's cache locks of what it computes, and a page asking for the same
+result waits on such a lock (counted as a page query or not), so a warm-up waiting there for the pages to be
+quiet held that page up, or waited for it for ever. A store the cache drops (its
 TTL, *Reload data*) is closed once its queries in flight are done. At process exit `_shutdown` stops
 every warm-up, interrupts what still runs and closes every store: a daemon thread left inside DuckDB at
 interpreter exit aborts the process (`terminate called ...`, exit 134), and DuckDB objects alive then
@@ -158,9 +161,7 @@ class _Store:
     def using(self):
         """A fresh cursor for this thread's queries, closed after."""
         thread = threading.current_thread()
-        warm_up = isinstance(thread, _WarmUp)
-        if warm_up:
-            _PAGE_QUERIES.wait_quiet(thread)
+        warm_up = isinstance(thread, _WarmUp)  # (it waited for quiet before its step, never here: module doc)
         with self._lock:
             if warm_up and thread.stopping:
                 raise _Stopped

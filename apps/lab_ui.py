@@ -469,7 +469,6 @@ def overview(name: str, path: str | None = None):
     path = path or live_store()
     module, _ = units_overview.OVERVIEW[name]
     if is_shard_store(path):
-        yield_to_pages()  # (the warm-up: here, not inside the cached function, whose lock a page may wait on)
         try:
             found = _overview_by_unit(path, fingerprint(path), name)
         except UserError as exc:  # what `store()` says of a store it cannot open
@@ -489,37 +488,45 @@ def _overview_by_unit(path: str, fp: str, name: str):
     def compute():
         return units_overview.OVERVIEW[name][1](units_overview.OverviewUnits(path, fp), disk(path))
 
-    if isinstance(threading.current_thread(), _WarmUp):  # (it waited for quiet in `overview`)
+    if isinstance(threading.current_thread(), _WarmUp):  # (it waited for quiet before its step: `_warm`)
         return compute()
     with _PAGE_QUERIES.running():
         return compute()
 
 
+def _step(fn, *args, **kwargs):
+    """One step of the warm-up (`_warm`): `fn(*args, **kwargs)` once the pages have been quiet
+    (`yield_to_pages`). The only place it waits: a step runs inside the cache locks of what it computes, where
+    a page asking for the same result waits (`lab_stores` module doc)."""
+    yield_to_pages()
+    return fn(*args, **kwargs)
+
+
 def _warm(path: str) -> None:
     """Compute what the pages show first, most likely first: the overview, then each pair's pages."""
-    _call(path, browse.list_runs)  # (the inspector's run list; the Overview's on a shard store is per unit)
-    overview("list_runs", path)
-    overview("precision_table", path)
-    overview("doctor_view", path)  # the Overview's verdicts and Doctor section (its own precision pass)
-    pairs = _call(path, browse.list_pairs)
-    _call(path, browse.list_categories)
+    _step(_call, path, browse.list_runs)  # (the inspector's run list; the Overview's on a shard store is per unit)
+    _step(overview, "list_runs", path)
+    _step(overview, "precision_table", path)
+    _step(overview, "doctor_view", path)  # the Overview's verdicts and Doctor section (its own precision pass)
+    pairs = _step(_call, path, browse.list_pairs)
+    _step(_call, path, browse.list_categories)
     for i, pair in enumerate(pairs.itertuples()):
-        volatility_of(pair.rollout, pair.scorer, path=path)
-        clipping_of(pair.rollout, pair.scorer, path=path)
-        top_clipped_of(pair.rollout, pair.scorer, path=path)
+        _step(volatility_of, pair.rollout, pair.scorer, path=path)
+        _step(clipping_of, pair.rollout, pair.scorer, path=path)
+        _step(top_clipped_of, pair.rollout, pair.scorer, path=path)
         if i == 0:
-            worst_of(path=path)
+            _step(worst_of, path=path)
     for pair in pairs.itertuples():  # the other bucket scale and the pair's tokens (any other bucketing reads
-        volatility_of(pair.rollout, pair.scorer, "log", path=path)  # them), then the worst sequences per scorer
-        _keep_pair_tokens(path, pair.rollout, pair.scorer)
+        _step(volatility_of, pair.rollout, pair.scorer, "log", path=path)  # them), then the worst sequences
+        _step(_keep_pair_tokens, path, pair.rollout, pair.scorer)  # per scorer
     for scorer in sorted(set(pairs["scorer"])):
-        worst_of(scorer, path=path)
-    if corrections_of(path) is not None:  # (with every method's dropped tokens of every pair: one pass)
-        every = corrections_sample_every(path)
+        _step(worst_of, scorer, path=path)
+    if _step(corrections_of, path) is not None:  # (with every method's dropped tokens of every pair: one pass)
+        every = _step(corrections_sample_every, path)
         pairs = None
         if every > 1:  # what an override opens on (the sample: corrections_pairs), the same for any override
-            pairs = _cached_sample(path, every, None, "mismatch_lab.corrections.layout", "pair_info", (), ())
-            _cached_sample(path, every, None, sample_size.__module__, "sample_size", (), ())
+            pairs = _step(_cached_sample, path, every, None, "mismatch_lab.corrections.layout", "pair_info", (), ())
+            _step(_cached_sample, path, every, None, sample_size.__module__, "sample_size", (), ())
         # the rules' modules (torch: ~1.5 CPU s), which a cached result does not import: an override, computed on
         # demand, then costs only its rule. Only once no page has queried for IMPORT_QUIET_S: the page's rendering
         # goes on after its last query, and beside a page's first load on 2 cores the import took ~0.5 CPU s of it
@@ -528,7 +535,7 @@ def _warm(path: str) -> None:
         importlib.import_module("mismatch_lab.corrections.compare")
         for pair in [] if pairs is None else pairs.itertuples():  # last, each pair's sample at the defaults (~0.5
             # CPU s a pair on 1 M tokens): an override there then runs only the methods it changes (_at_defaults)
-            _compare_keeping_drops(path, every, (pair.rollout, pair.scorer), None)
+            _step(_compare_keeping_drops, path, every, (pair.rollout, pair.scorer), None)
 
 
 def prepare(path: str):

@@ -90,3 +90,40 @@ def test_the_warm_up_reads_a_result_on_disk_without_waiting_for_pages(tmp_path, 
         thread.start()
         thread.join(2 * lab_stores._PageQueries.QUIET_S)
         assert found and found[0][0] == 42 and found[0][1] < lab_stores._PageQueries.QUIET_S
+
+
+def test_the_warm_up_waits_for_pages_before_a_step_never_inside_one(tmp_path, monkeypatch, parquet_store):
+    """A step computes inside the cache locks of its results, where a page asking for the same one waits (counted
+    as a page query or not): a warm-up waiting there for the pages to be quiet held that page up, or both waited
+    for ever. It waits before each step (`lab_ui._step`), and its fetches and queries inside a step go on while
+    a page queries."""
+    import lab_cache
+    import lab_ui
+
+    monkeypatch.setenv("MISMATCH_LAB_CACHE", str(tmp_path / "cache"))
+    store = tmp_path / "store"
+    store.mkdir()
+    opened = lab_stores._Store(str(parquet_store))
+    events = []
+
+    def work(_path):
+        computed = lab_cache._fetch(str(store), ("q",), "fp", lambda: 7)  # a miss: computed inside the step
+        with opened.using() as cur:
+            queried = cur.execute("SELECT 1").fetchone()[0]
+        events.append(("inside", computed, queried, time.monotonic()))
+        lab_ui._step(lambda: events.append(("next step", None, None, time.monotonic())))
+
+    quiet = lab_stores._PageQueries.QUIET_S
+    try:
+        with lab_stores._PAGE_QUERIES.running():  # a page query in flight for 2 quiet spans
+            start = time.monotonic()
+            thread = lab_stores._WarmUp(str(store), work)
+            thread.start()
+            time.sleep(2 * quiet)
+            assert events and events[0][:3] == ("inside", 7, 1) and events[0][3] - start < quiet
+            assert len(events) == 1  # the next step waits for the page
+        released = time.monotonic()
+        thread.join(10)
+    finally:
+        opened.release()
+    assert [e[0] for e in events] == ["inside", "next step"] and events[1][3] >= released + quiet * 0.99
