@@ -190,7 +190,8 @@ def _log_steps(rec, steps: range, batch: int, length: int) -> None:
 
 
 REFRESHED = ("overview", "training")
-"""The pages whose refresh on a store being written is measured (`refresh`): those of `--pages` among these."""
+"""The pages whose refresh on a store being written is measured (`refresh`) by default: those of `--pages` among
+these (the pages computed per step; `--refresh-pages` names any page)."""
 
 
 def refresh(browser, folder: Path, log: Path, env: dict, m: int, n: int, tokens: int, name: str = "training") -> dict:
@@ -560,8 +561,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--commit", default="HEAD", help="the commit whose apps/ and mismatch_lab/ are measured")
     parser.add_argument("--refresh", nargs=2, type=int, default=[200, 5], metavar=("M", "N"),
                         help="the refresh figure: a run of M steps, then N new ones (0 0: skip)")
-    parser.add_argument("--refresh-pages", nargs="+", choices=REFRESHED,
-                        help="the pages whose refresh is measured (default: those of --pages among them)")
+    parser.add_argument("--refresh-pages", nargs="+", choices=list(PAGES),
+                        help="the pages whose refresh is measured (default: Overview and Training among --pages; any page)")
     args = parser.parse_args(argv)
     if not args.store.exists():
         raise SystemExit(f"{args.store} missing: run benchmarks/bench_app.py once to build it")
