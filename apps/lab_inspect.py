@@ -27,7 +27,6 @@ from lab_stores import (
     clear_at_exit,
 )
 
-from mismatch_lab.analysis import browse
 from mismatch_lab.errors import UserError
 
 PAGE = "app_pages/inspector.py"
@@ -60,17 +59,17 @@ def steps_of(path: str, run_id: str) -> pd.DataFrame:
 def sequences_of(path: str, run_id: str, step: int | None) -> pd.DataFrame:
     """The run's sequences (`browse.list_sequences`), of one step when `step` is given (per unit on a shard store,
     as the Training page)."""
-    if step is None:
-        return lab_ui._call(path, browse.list_sequences, run_id, step=None)
-    return lab_ui.training("list_sequences", run_id, step=int(step), path=path)
+    return lab_ui.training("list_sequences", run_id, step=None if step is None else int(step), path=path)
 
 
 def tokens_of(path: str, run_id: str, seq_id: int) -> pd.DataFrame:
-    return lab_ui._call(path, browse.sequence_tokens, run_id, int(seq_id))
+    """`browse.sequence_tokens` (on a shard store over the sequence's unit alone, `store.units`)."""
+    return lab_ui.training("sequence_tokens", run_id, int(seq_id), path=path)
 
 
 def topk_of(path: str, run_id: str, seq_id: int, pos: int) -> pd.DataFrame:
-    return lab_ui._call(path, browse.token_topk, run_id, int(seq_id), int(pos))
+    """`browse.token_topk` (on a shard store over the sequence's unit where it holds no top-K, `store.units`)."""
+    return lab_ui.training("token_topk", run_id, int(seq_id), int(pos), path=path)
 
 
 def listed(seqs: pd.DataFrame) -> pd.DataFrame:
@@ -102,7 +101,7 @@ def look_ups(path: str, run_id: str, step: int | None, seq_id: int | None, score
              go_on=lambda: True) -> None:
     """What the inspector queries when a button opens it on (run, step, sequence; None: the first listed),
     with the remembered scorer and the token to focus; each look-up only while `go_on()`."""
-    lab_ui._call(path, browse.list_runs)
+    lab_ui.overview("list_runs", path)
     if not go_on():
         return
     steps_of(path, run_id)

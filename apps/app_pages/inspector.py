@@ -18,8 +18,8 @@ ANY = "any scorer"
 ALL_STEPS = lab_inspect.ALL_STEPS
 
 st.title("Token inspector")
-path = lab_ui.store()
-runs = lab_ui.query(browse.list_runs)
+path = lab_ui.live_store()  # (a shard store: no connection on the whole store; its look-ups are per unit)
+runs = lab_ui.overview("list_runs", path)
 runs = runs[runs["n_tokens"] > 0]
 if runs.empty:
     st.info("This study has no tokens yet: nothing to inspect.")
