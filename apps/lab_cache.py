@@ -6,7 +6,7 @@ The connection is a `st.cache_resource` (one per store path and fingerprint); qu
 the store's fingerprint (its files' sizes and times), so a store that a writer changes is re-read at the
 next page run, and nothing computed is shown for data that changed. A pair's per-token inputs of the
 Volatility page (`_pair_tokens`: `volatility.pair_tokens`, one join, kept in the disk cache and in memory)
-serve every bucketing of the pair as a GROUP BY over them, without the store. The Training page of a store being written reads it per unit of (run, step) (`_training_by_unit`,
+serve every bucketing of the pair as a GROUP BY over them, without the store. The Training page of a store being written reads it per unit of (run, step) (`_page_by_unit`,
 `_steps_by_unit`; `mismatch_lab.store.units`).
 """
 
@@ -162,11 +162,13 @@ def _is_duckdb(path: str) -> bool:
 
 
 @st.cache_data(ttl=TTL_S, show_spinner="Querying the new steps…", max_entries=256)
-def _training_by_unit(path: str, fp: str, name: str, args: tuple, kwargs: tuple):
+def _page_by_unit(path: str, fp: str, page: str, name: str, args: tuple, kwargs: tuple):
+    """The look-up `name` of `page` (`store.units.PAGES`: the Training page, the token inspector) per unit."""
     from mismatch_lab.store import units
 
+    source, look_ups = units.PAGES[page]
     with _PAGE_QUERIES.running():
-        return units.TRAINING[name][1](units.ShardUnits(path, fp), disk(path), *args, **dict(kwargs))
+        return look_ups[name][1](source(path, fp), disk(path), *args, **dict(kwargs))
 
 
 for _cached_resource in (_store_at, _pair_tokens):

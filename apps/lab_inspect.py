@@ -4,8 +4,8 @@ the button causes finds them cached.
 
 Which sequence, scorer and token the inspector opens on is decided here too (`listed`, `scorer_of`,
 `start_pos`), so the prefetch asks for exactly what the page will show: the same functions with the same
-arguments hit the same caches (`lab_ui.query`'s, and on a shard store the Training page's per-unit look-ups of
-a run's steps and of one step's sequences, `lab_ui.training`). The click opens the inspector without running
+arguments hit the same caches (`lab_ui.query`'s, and on a shard store the inspector's per-unit look-ups,
+`lab_ui.per_unit`, `store.units.INSPECTOR`: no connection on the whole store). The click opens the inspector without running
 the page that holds the button again (`open_on`, `switch_if_asked`).
 """
 
@@ -51,25 +51,30 @@ def switch_if_asked() -> None:
         st.switch_page(PAGE)
 
 
+def runs_of(path: str) -> pd.DataFrame:
+    """Every run (`browse.list_runs`; per unit on a shard store, `store.units.INSPECTOR`)."""
+    return lab_ui.per_unit("inspector", "list_runs", path=path)
+
+
 def steps_of(path: str, run_id: str) -> pd.DataFrame:
-    """The run's training steps (`browse.training_steps`; per unit on a shard store, as the Training page)."""
-    return lab_ui.training("training_steps", run_id, path=path)
+    """The run's training steps (`browse.training_steps`; per unit on a shard store, `store.units.INSPECTOR`)."""
+    return lab_ui.per_unit("inspector", "training_steps", run_id, path=path)
 
 
 def sequences_of(path: str, run_id: str, step: int | None) -> pd.DataFrame:
     """The run's sequences (`browse.list_sequences`), of one step when `step` is given (per unit on a shard store,
     as the Training page)."""
-    return lab_ui.training("list_sequences", run_id, step=None if step is None else int(step), path=path)
+    return lab_ui.per_unit("inspector", "list_sequences", run_id, step=None if step is None else int(step), path=path)
 
 
 def tokens_of(path: str, run_id: str, seq_id: int) -> pd.DataFrame:
     """`browse.sequence_tokens` (on a shard store over the sequence's unit alone, `store.units`)."""
-    return lab_ui.training("sequence_tokens", run_id, int(seq_id), path=path)
+    return lab_ui.per_unit("inspector", "sequence_tokens", run_id, int(seq_id), path=path)
 
 
 def topk_of(path: str, run_id: str, seq_id: int, pos: int) -> pd.DataFrame:
     """`browse.token_topk` (on a shard store over the sequence's unit where it holds no top-K, `store.units`)."""
-    return lab_ui.training("token_topk", run_id, int(seq_id), int(pos), path=path)
+    return lab_ui.per_unit("inspector", "token_topk", run_id, int(seq_id), int(pos), path=path)
 
 
 def listed(seqs: pd.DataFrame) -> pd.DataFrame:
@@ -101,7 +106,7 @@ def look_ups(path: str, run_id: str, step: int | None, seq_id: int | None, score
              go_on=lambda: True) -> None:
     """What the inspector queries when a button opens it on (run, step, sequence; None: the first listed),
     with the remembered scorer and the token to focus; each look-up only while `go_on()`."""
-    lab_ui.overview("list_runs", path)
+    runs_of(path)
     if not go_on():
         return
     steps_of(path, run_id)

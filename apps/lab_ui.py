@@ -45,9 +45,9 @@ from lab_cache import (  # (names the pages and tests use as lab_ui.X are re-exp
     _is_duckdb,
     _keep_pair_tokens,
     _on_store,
+    _page_by_unit,
     _steps_by_unit,
     _store_at,  # noqa: F401
-    _training_by_unit,
     _volatility,
     disk,
     fingerprint,
@@ -446,14 +446,20 @@ def live_store() -> str:
 def training(name: str, *args, path: str | None = None, **kwargs):
     """The Training page's look-up `name` (`store.units.TRAINING`): on a shard store per unit, else the
     whole-store function through `query`'s caches."""
+    return per_unit("training", name, *args, path=path, **kwargs)
+
+
+def per_unit(page: str, name: str, *args, path: str | None = None, **kwargs):
+    """The look-up `name` of `page` (`store.units.PAGES`: "training", "inspector") on a shard store per unit,
+    else the whole-store function through `query`'s caches."""
     from mismatch_lab.store import units
 
     path = path or live_store()
-    module, _ = units.TRAINING[name]
+    module, _ = units.PAGES[page][1][name]
     if not is_shard_store(path):
         return _call_named(path, module, name, *args, **kwargs)
     try:
-        return _training_by_unit(path, fingerprint(path), name, args, tuple(sorted(kwargs.items())))
+        return _page_by_unit(path, fingerprint(path), page, name, args, tuple(sorted(kwargs.items())))
     except UserError as exc:  # what `store()` says of a store it cannot open
         st.error(f"Cannot open `{store_label(path)}`: {exc}")
         st.stop()

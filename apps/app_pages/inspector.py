@@ -19,7 +19,7 @@ ALL_STEPS = lab_inspect.ALL_STEPS
 
 st.title("Token inspector")
 path = lab_ui.live_store()  # (a shard store: no connection on the whole store; its look-ups are per unit)
-runs = lab_ui.overview("list_runs", path)
+runs = lab_inspect.runs_of(path)
 runs = runs[runs["n_tokens"] > 0]
 if runs.empty:
     st.info("This study has no tokens yet: nothing to inspect.")

@@ -290,6 +290,13 @@ _RUN_IDS: dict[tuple, list] = {}  # (store, its run-row files with their stats) 
 _RUN_IDS_LOCK = threading.Lock()
 
 
+class InspectorUnits(ShardUnits):
+    """The units of a shard store as the token inspector reads them (`INSPECTOR`): the run list's counts, a run's
+    steps and sequences; none of the per-token analyses the Training page and the Overview compute per unit."""
+
+    queries = ("unit_counts", "scorer_counts", "step_counts", "sequences")
+
+
 def duck_fingerprints(cur) -> dict[Unit, str]:
     """(run_id, step) -> the unit's checksum (module doc) on a DuckDB store's connection `cur`."""
     from mismatch_lab.analysis.relations import table_columns
@@ -570,13 +577,28 @@ def token_topk(source: ShardUnits, results: cache.ResultsCache, run_id: str, seq
                                          int(pos))
 
 
-TRAINING = {  # the Training page's and the token inspector's look-ups: the whole-store function's module -> its
-    # per-unit form on a shard store
-    "train_runs": ("mismatch_lab.analysis.browse", train_runs),
+def run_list(source: ShardUnits, results: cache.ResultsCache) -> pd.DataFrame:
+    """`browse.list_runs` of a shard store (`units_overview.list_runs`, on the units of `source`)."""
+    from mismatch_lab.store.units_overview import list_runs
+
+    return list_runs(source, results)
+
+
+INSPECTOR = {  # the token inspector's look-ups: the whole-store function's module -> its per-unit form (InspectorUnits)
+    "list_runs": ("mismatch_lab.analysis.browse", run_list),
     "training_steps": ("mismatch_lab.analysis.browse", training_steps),
     "list_sequences": ("mismatch_lab.analysis.browse", list_sequences),
     "sequence_tokens": ("mismatch_lab.analysis.browse", sequence_tokens),
     "token_topk": ("mismatch_lab.analysis.browse", token_topk),
+}
+
+TRAINING = {  # the Training page's look-ups: the whole-store function's module -> its per-unit form on a shard store
+    "train_runs": ("mismatch_lab.analysis.browse", train_runs),
+    "training_steps": ("mismatch_lab.analysis.browse", training_steps),
+    "list_sequences": ("mismatch_lab.analysis.browse", list_sequences),
     "train_series": ("mismatch_lab.analysis.violations", train_series),
     "step_series": ("mismatch_lab.analysis.steps", step_series),
 }
+
+PAGES = {"training": (ShardUnits, TRAINING), "inspector": (InspectorUnits, INSPECTOR)}
+"""page -> (the source of its units, its look-ups): what `lab_ui.per_unit` reads per unit on a shard store."""

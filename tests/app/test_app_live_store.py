@@ -335,7 +335,8 @@ def _log_metrics(rec: Recorder, step: int, seed: int) -> None:
 
 
 def _whole_and_by_unit(path: Path, results: cache.ResultsCache) -> list[tuple[pd.DataFrame, pd.DataFrame]]:
-    """(whole-store result, per-unit result) of every Training look-up of `units.TRAINING` on the store."""
+    """(whole-store result, per-unit result) of every per-unit look-up of `units.PAGES` (the Training page's, the
+    token inspector's) on the store."""
     import importlib
 
     con = open_store(path)
@@ -345,10 +346,11 @@ def _whole_and_by_unit(path: Path, results: cache.ResultsCache) -> list[tuple[pd
              "sequence_tokens": [{"run_id": "live", "seq_id": seq_id}, {"run_id": "live", "seq_id": -1}],
              "token_topk": [{"run_id": "live", "seq_id": seq_id, "pos": 3}]}
     out = []
-    for name, (module, per_unit) in units.TRAINING.items():
-        fn = getattr(importlib.import_module(module), name)
-        for args in cases.get(name, [{}]):
-            out.append((fn(con, **args), per_unit(units.ShardUnits(path), results, **args)))
+    for source, look_ups in units.PAGES.values():
+        for name, (module, per_unit) in look_ups.items():
+            fn = getattr(importlib.import_module(module), name)
+            for args in cases.get(name, [{}]):
+                out.append((fn(con, **args), per_unit(source(path), results, **args)))
     con.close()
     return out
 
@@ -480,9 +482,9 @@ def test_the_inspectors_token_look_ups_per_unit_equal_the_whole_store_with_and_w
     try:
         found = con.execute("SELECT step, max(seq_id) FROM sequences GROUP BY step ORDER BY step").fetchall()
         for step, seq_id in found:
-            tokens = units.sequence_tokens(units.ShardUnits(path), results, "live", seq_id)
+            tokens = units.sequence_tokens(units.InspectorUnits(path), results, "live", seq_id)
             pd.testing.assert_frame_equal(tokens, browse.sequence_tokens(con, "live", seq_id))
-            topk = units.token_topk(units.ShardUnits(path), results, "live", seq_id, 2)
+            topk = units.token_topk(units.InspectorUnits(path), results, "live", seq_id, 2)
             pd.testing.assert_frame_equal(topk, browse.token_topk(con, "live", seq_id, 2))
             assert len(tokens) == T and topk.empty == (step == 1)
     finally:

@@ -1,7 +1,7 @@
 """A button that opens the token inspector on a sequence (Training's step, Corrections' dropped sequence): the
 page that draws it prefetches the inspector's look-ups for that target (apps/lab_inspect.py), so the page run the
-click causes computes nothing; and on a shard store the inspector reads a run's steps and a step's sequences
-from the Training page's per-unit look-ups, which hold the whole-store look-ups' rows.
+click causes computes nothing; and on a shard store the inspector reads its runs, a run's steps and sequences and a
+sequence's tokens per unit (`store.units.INSPECTOR`), which hold the whole-store look-ups' rows.
 
 Computations are counted by wrapping the `browse` look-ups (a cache miss imports them by name) and
 `units._compute` (the per-unit ones); nothing is timed.
@@ -98,11 +98,13 @@ def test_the_step_button_opens_the_inspector_on_look_ups_its_prefetch_computed(r
     _join_prefetches()
     computed.clear()
     looked_up = []
-    training = lab_ui.training
-    monkeypatch.setattr(lab_ui, "training", lambda name, *a, **k: looked_up.append(name) or training(name, *a, **k))
+    per_unit = lab_ui.per_unit
+    monkeypatch.setattr(lab_ui, "per_unit", lambda page, name, *a, **k: looked_up.append((page, name))
+                        or per_unit(page, name, *a, **k))
     _click(at, "Open step 0 in the token inspector")
     assert computed == []
-    assert "train_runs" not in looked_up and "training_steps" in looked_up  # the Training page did not run again
+    assert ("training", "train_runs") not in looked_up  # the Training page did not run again
+    assert ("inspector", "training_steps") in looked_up and ("inspector", "sequence_tokens") in looked_up
     # nor does a server's script run end in a full garbage collection (~0.24 CPU s each; AppTest's runner has none)
     assert st_config.get_option("runner.postScriptGC") is False
     picker = next(s for s in at.selectbox if s.label == "Sequence")
