@@ -554,8 +554,13 @@ def _on_sequence(source: ShardUnits, results: cache.ResultsCache, fn, run_id: st
     (`token_topk` names a top-K token by the text of any token of the store with that id: see there.)"""
     seqs = by_unit(source, results, "sequences")
     step = seqs.loc[(seqs["run_id"] == run_id) & (seqs["seq_id"] == int(seq_id)), "step"]
-    units = [(run_id, int(step.iloc[0]))] if len(step) and pd.notna(step.iloc[0]) else []
-    return _on(source, units, fn, run_id, int(seq_id), *args)
+    unit = (run_id, int(step.iloc[0])) if len(step) and pd.notna(step.iloc[0]) else None
+    fp = source.fingerprints().get(unit)
+    if fp is None:
+        return _on(source, [], fn, run_id, int(seq_id), *args)
+    # kept under the unit's fingerprint: a refresh that adds other steps reads it back, opening no connection
+    return results.get_or_compute(("unit_look_up", fn.__name__, run_id, int(seq_id), args), fp,
+                                  lambda: _on(source, [unit], fn, run_id, int(seq_id), *args))
 
 
 def sequence_tokens(source: ShardUnits, results: cache.ResultsCache, run_id: str, seq_id: int) -> pd.DataFrame:

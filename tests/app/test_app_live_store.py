@@ -505,9 +505,13 @@ def test_the_inspector_on_a_store_being_written_opens_no_connection_on_the_whole
         monkeypatch.setattr(reader, "_open_parquet_dir", lambda d, files=None, *a, **k: opens.append(files)
                             or opened(d, files, *a, **k))
         at = open_page(path, monkeypatch, "inspector")
+        assert opens and None not in opens  # every connection over some units' files
+        del opens[:]
         _log(rec, 3, 3)
         _refresh(at, lab_cache, monkeypatch)
-    assert opens and None not in opens  # every connection over some units' files
+    assert opens and None not in opens
+    read = {Path(f).parent.name for files in opens for table, fs in files.items() if table != "runs" for f in fs}
+    assert read == {"step-00000003"}  # the new step only: the sequence shown was kept under its unit's fingerprint
     shown = {m.label: m.value for m in at.metric}
     assert "Prompt" in shown and not any("No top-K" in str(i.value) for i in at.exception)
     assert any("No top-K stored for this token" in str(i.value) for i in at.info)  # (a recorded run without lists)
