@@ -1,5 +1,6 @@
-"""Per-step results of a store still being written: the app's Training page computed per unit (run_id, step)
-and reused for every unit that did not change, so that a refresh costs in proportion to the new steps.
+"""Per-step results of a store still being written: the app's Training page (TRAINING), token inspector
+(INSPECTOR) and Overview (`units_overview`) computed per unit (run_id, step) and reused for every unit that did
+not change, so that a refresh costs in proportion to the new steps.
 
 Shard stores (`store.shards`: a Recorder's or an importer's runs). A unit is one step folder of a run in every
 step table; its fingerprint (`Scan.snapshot`) is the stats (size, mtime, ctime, inode) of its files and a
