@@ -510,7 +510,8 @@ def _step(fn, *args, **kwargs):
 
 def _warm(path: str) -> None:
     """Compute what the pages show first, most likely first: the overview, then each pair's pages."""
-    _step(_call, path, browse.list_runs)  # (the inspector's run list; the Overview's on a shard store is per unit)
+    if not is_shard_store(path):  # the inspector's run list (the inspector's and the Overview's on a shard store
+        _step(_call, path, browse.list_runs)  # are per unit)
     _step(overview, "list_runs", path)
     _step(overview, "precision_table", path)
     _step(overview, "doctor_view", path)  # the Overview's verdicts and Doctor section (its own precision pass)
