@@ -12,19 +12,16 @@ serve every bucketing of the pair as a GROUP BY over them, without the store. Th
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import os
-import threading
 import time
 
 import streamlit as st
 from lab_stores import (
-    _PAGE_QUERIES,
     StoreClosed,
     _Store,
-    _WarmUp,
     clear_at_exit,
+    page_work,
 )
 
 from mismatch_lab.analysis import volatility
@@ -82,8 +79,7 @@ def _fetch(path: str, query_: tuple, fp: str, compute):
     """A result the memory cache lacks: read from the disk cache, else computed and written there. A page's
     fetch counts as page work, so the warm-up waits for it before its next step (unpickling a large table takes
     a core too); the warm-up's does not wait here (it waited before its step: `lab_stores` module doc)."""
-    warm_up = isinstance(threading.current_thread(), _WarmUp)
-    with contextlib.nullcontext() if warm_up else _PAGE_QUERIES.running():
+    with page_work():
         return disk(path).get_or_compute(query_, fp, compute)
 
 
@@ -133,13 +129,10 @@ def _keep_pair_tokens(path: str, rollout: str, scorer: str) -> None:
 @st.cache_data(ttl=TTL_S, show_spinner="Querying…", max_entries=512)
 def _volatility(path: str, fp: str, rollout: str, scorer: str, buckets: str, n_buckets: int, eps_low: float,
                 eps_high: float):
-    """A pair's volatility table as of `fp`, computed from the pair's tokens (`_pair_tokens`) when not cached
-    (looked up before `_fetch` counts this as a page query: a page waiting on the tokens' lock, which a warm-up
-    step reading them holds, is not counted as querying meanwhile)."""
+    """A pair's volatility table as of `fp`, computed from the pair's tokens (`_pair_tokens`) when not cached."""
     query_ = ("volatility", rollout, scorer, buckets, n_buckets, eps_low, eps_high)
-    tokens = None if disk(path).has(query_, fp) else _pair_tokens(path, fp, rollout, scorer)
     return _fetch(path, query_, fp, lambda: volatility.volatility_of_pair(
-        tokens or _pair_tokens(path, fp, rollout, scorer), buckets, n_buckets, eps_low, eps_high))
+        _pair_tokens(path, fp, rollout, scorer), buckets, n_buckets, eps_low, eps_high))
 
 
 @st.cache_data(ttl=TTL_S, show_spinner="Querying the new steps…", max_entries=64)
@@ -167,7 +160,7 @@ def _page_by_unit(path: str, fp: str, page: str, name: str, args: tuple, kwargs:
     from mismatch_lab.store import units
 
     source, look_ups = units.PAGES[page]
-    with _PAGE_QUERIES.running():
+    with page_work():
         return look_ups[name][1](source(path, fp), disk(path), *args, **dict(kwargs))
 
 

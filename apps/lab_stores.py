@@ -118,6 +118,12 @@ def page_run(first: bool = True):
             _PAGE_QUERIES.mark()
 
 
+def page_work():
+    """The context of a thread's query work: counted as a page query (`_PAGE_QUERIES.running`, which the warm-up
+    waits for) in a page's thread, not in a warm-up's (it waited before its step: module doc)."""
+    return contextlib.nullcontext() if isinstance(threading.current_thread(), _WarmUp) else _PAGE_QUERIES.running()
+
+
 def yield_to_pages(quiet_s: float = _PageQueries.QUIET_S) -> None:
     """In a warm-up thread: wait until pages have been quiet for `quiet_s` (`_PageQueries.wait_quiet`), then
     raise `_Stopped` if it was asked to stop. Elsewhere: nothing."""
@@ -161,16 +167,15 @@ class _Store:
     def using(self):
         """A fresh cursor for this thread's queries, closed after."""
         thread = threading.current_thread()
-        warm_up = isinstance(thread, _WarmUp)  # (it waited for quiet before its step, never here: module doc)
         with self._lock:
-            if warm_up and thread.stopping:
+            if isinstance(thread, _WarmUp) and thread.stopping:
                 raise _Stopped
             if self.con is None or self._closing:
                 raise StoreClosed("the store was closed")
             cur = self.con.cursor()
             self._busy[id(cur)] = (cur, thread)
         try:
-            with contextlib.nullcontext() if warm_up else _PAGE_QUERIES.running():
+            with page_work():
                 yield cur
         finally:
             with self._lock:

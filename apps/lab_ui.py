@@ -29,7 +29,6 @@ import importlib
 import math
 import os
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -487,17 +486,12 @@ def overview(name: str, path: str | None = None):
 
 @st.cache_data(ttl=TTL_S, show_spinner="Querying the new steps…", max_entries=64)
 def _overview_by_unit(path: str, fp: str, name: str):
-    from lab_stores import _PAGE_QUERIES
+    from lab_stores import page_work
 
     from mismatch_lab.store import units_overview
 
-    def compute():
+    with page_work():
         return units_overview.OVERVIEW[name][1](units_overview.OverviewUnits(path, fp), disk(path))
-
-    if isinstance(threading.current_thread(), _WarmUp):  # (it waited for quiet before its step: `_warm`)
-        return compute()
-    with _PAGE_QUERIES.running():
-        return compute()
 
 
 def _step(fn, *args, **kwargs):

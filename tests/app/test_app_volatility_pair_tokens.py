@@ -82,9 +82,9 @@ def test_after_the_warm_up_every_bucketing_of_the_page_is_computed_without_joini
 
 
 def test_a_page_asking_for_the_pair_tokens_the_warm_up_is_reading_waits_but_never_hangs(parquet_store, lab_ui):
-    """The warm-up reads a pair's tokens inside their cache lock and waits there for the pages to be quiet; a
-    page's bucketing that needs the same tokens waits on that lock. Counted as a page query while it waited
-    (the lookup inside the bucketing's fetch), the page kept the warm-up waiting, and both hung."""
+    """The warm-up reads a pair's tokens inside their cache lock; a page's bucketing that needs the same tokens,
+    counted as a page query, waits on that lock. When the warm-up waited there for the pages to be quiet, the
+    page kept it waiting and both hung; it now waits only before a step (`lab_ui._step`), never inside one."""
     import threading
     import time
 
@@ -95,10 +95,10 @@ def test_a_page_asking_for_the_pair_tokens_the_warm_up_is_reading_waits_but_neve
     fp = lab_ui.fingerprint(path)
     pair = lab_ui._call(path, browse.list_pairs).iloc[0]
     shown = []
-    with lab_stores._PAGE_QUERIES.running():  # another page query in flight: the warm-up waits in the lock
+    with lab_stores._PAGE_QUERIES.running():  # another page query in flight while the warm-up reads the tokens
         warm = lab_stores._WarmUp(path, lambda p: lab_cache._pair_tokens(p, fp, pair.rollout, pair.scorer))
         warm.start()
-        time.sleep(0.3)  # the warm-up is inside _pair_tokens, waiting for quiet
+        time.sleep(0.3)  # the warm-up is inside _pair_tokens (formerly waiting there for quiet)
         page = threading.Thread(target=lambda: shown.append(lab_cache._volatility(
             path, fp, pair.rollout, pair.scorer, "log", 7, 0.2, 0.28)), daemon=True)
         page.start()
