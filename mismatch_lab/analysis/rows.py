@@ -63,6 +63,11 @@ class Thresholds:
 
 
 def sums_sql(t: Thresholds, only: tuple[str, ...] | None = None, absent: Iterable[str] = ()) -> str:
+    """`sums_parts` as one select list."""
+    return ",\n            ".join(sums_parts(t, only, absent))
+
+
+def sums_parts(t: Thresholds, only: tuple[str, ...] | None = None, absent: Iterable[str] = ()) -> list[str]:
     """The additive statistics of one group of rows (metric columns of relations.with_metrics).
     Prefixes: n_ row counts, s_ sums, x_ maxima, c_ counts of a rule firing. Rules: 'hi' r > clip_high,
     'lo' r < clip_low, 'tv' btv > delta_tv, 'kl' bkl > delta_kl, 'ktv'/'kkl' the top-K versions;
@@ -100,7 +105,7 @@ def sums_sql(t: Thresholds, only: tuple[str, ...] | None = None, absent: Iterabl
     if only is not None:  # a pass that needs fewer statistics should not pay for the rest
         out = [part for part in out if column_name(part) in only]
     reads = [c for a in absent for c in ABSENT_READS[a]]
-    return ",\n            ".join(_constant(part) if any(c in part for c in reads) else part for part in out)
+    return [_constant(part) if any(c in part for c in reads) else part for part in out]
 
 
 ABSENT_READS = {"topk": ("topk_tv", "topk_kl"), "entropy": ("entropy",), "tv_exact": ("tv_exact",)}
@@ -114,16 +119,11 @@ def _constant(part: str) -> str:
 
 
 def column_name(part: str) -> str:
-    """The name of one '<expression> AS <name>' of a select list (sums_sql's parts, SEQUENCE_SUMS)."""
+    """The name of one '<expression> AS <name>' of a select list (sums_parts, SEQUENCE_SUMS)."""
     return part.rsplit(" AS ", 1)[1]
 
 
-def select_parts(sql: str) -> list[str]:
-    """The '<expression> AS <name>' parts of a select list written by sums_sql."""
-    return [part.strip() for part in sql.split(",\n")]
-
-
-SUM_COLUMNS = [column_name(part) for part in select_parts(sums_sql(Thresholds()))]
+SUM_COLUMNS = [column_name(part) for part in sums_parts(Thresholds())]
 PRECISION_SUMS = ("n", "n_nonfinite", "s_btv", "x_btv", "s_dp", "s_adlogp", "x_adlogp", "s_dlogp", "s_k2", "s_k3",
                   "s_r2", "s_r1", "s_bkl", "c_hi", "c_lo", "c_dev", "c_bigdp")  # fmt: skip
 """What precision.token_metrics reads: all the scorer-vs-reference pass computes."""

@@ -29,7 +29,7 @@ import pandas as pd
 
 from mismatch_lab.analysis import definitions as d
 from mismatch_lab.analysis.precision import token_metrics
-from mismatch_lab.analysis.relations import Filters, empty, table_columns
+from mismatch_lab.analysis.relations import Filters, empty, query, table_columns
 from mismatch_lab.analysis.rows import PRECISION_SUMS, Rows, Thresholds, rollup
 
 METRIC_COLUMNS = ["abs_dp_mean", "abs_dlogp_mean", "kl_k3", "frac_ratio_outside_clip"]
@@ -87,17 +87,17 @@ def step_counts(con: duckdb.DuckDBPyConnection) -> pd.DataFrame:
     """`browse.training_steps` of every run with sequences on `con`, with its run_id first: per (run_id, step)
     the sequence and token counts and reward means (the Training page's step list, kept per unit by
     `store.units`). One query for every run."""
-    from mismatch_lab.analysis.browse import _df, training_steps_sql
+    from mismatch_lab.analysis.browse import training_steps_sql
 
-    return _df(con, training_steps_sql(con, "true", ["run_id", "step"]))[["run_id", *STEP_COUNT_COLUMNS]]
+    return query(con, training_steps_sql(con, "true", ["run_id", "step"]))[["run_id", *STEP_COUNT_COLUMNS]]
 
 
 def step_sequences(con: duckdb.DuckDBPyConnection) -> pd.DataFrame:
     """`browse.list_sequences` of every run with sequences on `con`, with its run_id first (the Training page's
     sequences of a step, kept per unit by `store.units`). One query for every run."""
-    from mismatch_lab.analysis.browse import _df, sequences_sql
+    from mismatch_lab.analysis.browse import sequences_sql
 
-    return _df(con, sequences_sql(con, "true", ["run_id", "seq_id"]))
+    return query(con, sequences_sql(con, "true", ["run_id", "seq_id"]))
 
 
 STEP_COUNT_COLUMNS = ["step", "n_sequences", "n_tokens", "n_rewarded", "mean_reward", "mean_advantage"]

@@ -101,8 +101,7 @@ def _per_sequence(con) -> pd.DataFrame:
         SEQUENCE_SUMS,
         Thresholds,
         column_name,
-        select_parts,
-        sums_sql,
+        sums_parts,
     )
     from mismatch_lab.doctor.measure import PER_SEQUENCE
 
@@ -110,8 +109,7 @@ def _per_sequence(con) -> pd.DataFrame:
         rows = _rows(con)
         rel, params = rows.sql["rollout"]
         parts: dict[str, str] = {}  # name -> '<expression> AS <name>' (n_nonfinite is in two of the lists)
-        for part in (*SEQUENCE_SUMS, *PER_SEQUENCE, *select_parts(sums_sql(Thresholds(), PRECISION_SUMS,
-                                                                           absent=rows.absent))):
+        for part in (*SEQUENCE_SUMS, *PER_SEQUENCE, *sums_parts(Thresholds(), PRECISION_SUMS, absent=rows.absent)):
             if parts.setdefault(column_name(part), part) != part:
                 raise ValueError(f"two definitions of the per-sequence column {column_name(part)!r}")
         keys = ", ".join(SEQ_ORDER)
