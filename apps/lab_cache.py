@@ -156,10 +156,10 @@ def _is_duckdb(path: str) -> bool:
 
 @st.cache_data(ttl=TTL_S, show_spinner="Querying the new steps…", max_entries=256)
 def _page_by_unit(path: str, fp: str, page: str, name: str, args: tuple, kwargs: tuple):
-    """The look-up `name` of `page` (`store.units.PAGES`: the Training page, the token inspector) per unit."""
-    from mismatch_lab.store import units
+    """The look-up `name` of `page` (`store.units_pages.PAGES`) per unit."""
+    from mismatch_lab.store import units_pages
 
-    source, look_ups = units.PAGES[page]
+    source, look_ups = units_pages.PAGES[page]
     with page_work():
         return look_ups[name][1](source(path, fp), disk(path), *args, **dict(kwargs))
 

@@ -5,7 +5,7 @@ the button causes finds them cached.
 Which sequence, scorer and token the inspector opens on is decided here too (`listed`, `scorer_of`,
 `start_pos`), so the prefetch asks for exactly what the page will show: the same functions with the same
 arguments hit the same caches (`lab_ui.query`'s, and on a shard store the inspector's per-unit look-ups,
-`lab_ui.per_unit`, `store.units.INSPECTOR`: no connection on the whole store). The click opens the inspector without running
+`lab_ui.per_unit`, `store.units_pages.INSPECTOR`: no connection on the whole store). The click opens the inspector without running
 the page that holds the button again (`open_on`, `switch_if_asked`).
 """
 
@@ -52,12 +52,12 @@ def switch_if_asked() -> None:
 
 
 def runs_of(path: str) -> pd.DataFrame:
-    """Every run (`browse.list_runs`; per unit on a shard store, `store.units.INSPECTOR`)."""
+    """Every run (`browse.list_runs`; per unit on a shard store, `store.units_pages.INSPECTOR`)."""
     return lab_ui.per_unit("inspector", "list_runs", path=path)
 
 
 def steps_of(path: str, run_id: str) -> pd.DataFrame:
-    """The run's training steps (`browse.training_steps`; per unit on a shard store, `store.units.INSPECTOR`)."""
+    """The run's training steps (`browse.training_steps`; per unit on a shard store, `store.units_pages.INSPECTOR`)."""
     return lab_ui.per_unit("inspector", "training_steps", run_id, path=path)
 
 

@@ -64,20 +64,19 @@ from lab_stores import StoreClosed, _WarmUp, clear_at_exit, page_run, yield_to_p
 
 from mismatch_lab.analysis import (
     browse,
-    clipping,
     definitions,
     precision,
     steps,
 )
 from mismatch_lab.analysis.sample import SAMPLE_TOKENS, sample_size, sampled, stride
 from mismatch_lab.errors import UserError
-from mismatch_lab.store import cache
+from mismatch_lab.store import cache, units_clipping
 from mismatch_lab.store.shards import is_shard_store
 
 APP_DIR = Path(__file__).resolve().parent
 REPO = APP_DIR.parent
 ENV_VAR = "MISMATCH_LAB_STUDY"  # set by `mismatch-lab app --study ...`; `-- --study ...` works too
-WORST_N = 50  # the inspector's list of worst sequences
+WORST_N = units_clipping.WORST_N  # the inspector's list of worst sequences (as many as are kept per unit)
 TOP_CLIPPED_MAX = 100  # the Clipping page's longest list of token strings (one query serves every shorter one)
 IMPORT_QUIET_S = 5.0  # the warm-up imports the Corrections rules (torch) once pages have not queried this long
 
@@ -405,17 +404,29 @@ def volatility_of(
     return _volatility(path, fingerprint(path), rollout, scorer, buckets, int(n), float(eps_low), float(eps_high))
 
 
+def pairs_of(path: str | None = None):
+    """The store's (rollout, scorer) pairs (`browse.list_pairs`; per unit on a shard store)."""
+    return per_unit("clipping", "list_pairs", path=path)
+
+
+def categories_of(path: str | None = None) -> list[str]:
+    """The store's token categories (`browse.list_categories`; per unit on a shard store)."""
+    return per_unit("clipping", "list_categories", path=path)
+
+
 def clipping_of(rollout: str, scorer: str, path: str | None = None):
-    return _call(path or store(), clipping.clipping_by_category, rollout=rollout, scorer=scorer)
+    """A pair's clipping by token category (`clipping.clipping_by_category`; per unit on a shard store)."""
+    return per_unit("clipping", "clipping_by_category", rollout=rollout, scorer=scorer, path=path)
 
 
 def top_clipped_of(rollout: str, scorer: str, path: str | None = None):
     """The TOP_CLIPPED_MAX most clipped token strings of a pair (ranked; the page shows the first n)."""
-    return _call(path or store(), clipping.top_clipped_tokens, TOP_CLIPPED_MAX, rollout=rollout, scorer=scorer)
+    return per_unit("clipping", "top_clipped_tokens", TOP_CLIPPED_MAX, rollout=rollout, scorer=scorer, path=path)
 
 
 def worst_of(scorer: str | None = None, path: str | None = None):
-    return _call(path or store(), browse.worst_sequences, scorer=scorer, n=WORST_N)
+    """The inspector's WORST_N worst sequences (`browse.worst_sequences`; per unit on a shard store)."""
+    return per_unit("inspector", "worst_sequences", scorer=scorer, n=WORST_N, path=path)
 
 
 def step_series_of(path: str | None = None):
@@ -443,18 +454,18 @@ def live_store() -> str:
 
 
 def training(name: str, *args, path: str | None = None, **kwargs):
-    """The Training page's look-up `name` (`store.units.TRAINING`): on a shard store per unit, else the
+    """The Training page's look-up `name` (`store.units_pages.TRAINING`): on a shard store per unit, else the
     whole-store function through `query`'s caches."""
     return per_unit("training", name, *args, path=path, **kwargs)
 
 
 def per_unit(page: str, name: str, *args, path: str | None = None, **kwargs):
-    """The look-up `name` of `page` (`store.units.PAGES`: "training", "inspector") on a shard store per unit,
-    else the whole-store function through `query`'s caches."""
-    from mismatch_lab.store import units
+    """The look-up `name` of `page` (`store.units_pages.PAGES`: "training", "inspector", "clipping") on a shard
+    store per unit, else the whole-store function through `query`'s caches."""
+    from mismatch_lab.store import units_pages
 
     path = path or live_store()
-    module, _ = units.PAGES[page][1][name]
+    module, _ = units_pages.PAGES[page][1][name]
     if not is_shard_store(path):
         return _call_named(path, module, name, *args, **kwargs)
     try:
@@ -509,8 +520,8 @@ def _warm(path: str) -> None:
     _step(overview, "list_runs", path)
     _step(overview, "precision_table", path)
     _step(overview, "doctor_view", path)  # the Overview's verdicts and Doctor section (its own precision pass)
-    pairs = _step(_call, path, browse.list_pairs)
-    _step(_call, path, browse.list_categories)
+    pairs = _step(pairs_of, path)
+    _step(categories_of, path)
     for i, pair in enumerate(pairs.itertuples()):
         _step(volatility_of, pair.rollout, pair.scorer, path=path)
         _step(clipping_of, pair.rollout, pair.scorer, path=path)

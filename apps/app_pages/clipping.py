@@ -4,7 +4,7 @@ import altair as alt
 import lab_ui
 import streamlit as st
 
-from mismatch_lab.analysis import browse, definitions
+from mismatch_lab.analysis import definitions
 
 SIGNS = {"all": "all tokens (two-sided)", "positive": "positive advantage", "negative": "negative advantage"}
 
@@ -16,8 +16,8 @@ st.caption(
     f"binary TV |π − μ| > {definitions.DELTA_TV}. With an advantage sign, only a move in the "
     f"advantage's direction counts, as in the losses. Shares are over finite tokens of each group."
 )
-lab_ui.store()
-pairs = lab_ui.query(browse.list_pairs)
+lab_ui.live_store()  # (a shard store: no connection on the whole store; its look-ups are per unit)
+pairs = lab_ui.pairs_of()
 if pairs.empty:
     st.info("No scored tokens yet: clipping needs a rollout and at least one scorer.")
     st.stop()
@@ -27,7 +27,7 @@ c = st.columns([2, 3])
 pick = c[0].selectbox(
     "Pair (rollout μ → scorer π)", range(len(labels)), format_func=labels.__getitem__, key="clip_pair"
 )
-categories = lab_ui.query(browse.list_categories)
+categories = lab_ui.categories_of()
 chosen = c[1].multiselect(
     "Token categories",
     categories,

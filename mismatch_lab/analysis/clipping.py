@@ -19,7 +19,7 @@ import pandas as pd
 
 from mismatch_lab.analysis import definitions as d
 from mismatch_lab.analysis.relations import Filters, empty
-from mismatch_lab.analysis.rows import Rows, Thresholds, rollup
+from mismatch_lab.analysis.rows import TOKEN_KEYS, Rows, Thresholds, rollup
 from mismatch_lab.analysis.volatility import complete_buckets
 from mismatch_lab.categories import CATEGORIES
 
@@ -108,7 +108,12 @@ def clipping_by_category(
     rows = _rows or Rows(con, Filters.make(rollout, scorer, run_ids))  # _rows: run_all's shared row set
     if not rows.ok:
         return empty(CATEGORY_COLUMNS)
-    grid = rows.grid(_thresholds(eps_low, eps_high, delta_tv, delta_kl))
+    return category_table(rows.grid(_thresholds(eps_low, eps_high, delta_tv, delta_kl)))
+
+
+def category_table(grid: pd.DataFrame) -> pd.DataFrame:
+    """`clipping_by_category`'s table from sums (rows.sums_sql's names) per (rollout, scorer, adv_sign, category)
+    and any further keys (a grid of `Rows.grid`, or such sums rolled up per unit of a store and added)."""
     if grid.empty:
         return empty(CATEGORY_COLUMNS)
     stats = _by(grid, ["category"])
@@ -174,7 +179,6 @@ def top_clipped_tokens(
     if not rows.ok:
         return empty(TOKEN_COLUMNS)
     t = _thresholds(eps_low, eps_high, delta_tv, delta_kl)
-    keys = ["rollout", "scorer", "token_text", "token_id", "category"]
     # two passes: the clip counts of every token from the clipped rows alone, then every sum for the rows
     # of the tokens that can reach the top n (ties at the boundary are broken by the full counts)
     clips = rows.token_sums(t, ("c_hi", "c_lo"), clipped=True)
@@ -182,9 +186,16 @@ def top_clipped_tokens(
     if contenders.empty:
         return empty(TOKEN_COLUMNS)
     s = rows.token_sums(t, TWO_SIDED_SUMS, tokens=contenders[["token_text", "token_id"]])
-    s = contenders[keys].merge(s, on=keys, how="left")  # null keys match null keys
+    return ranked_tokens(contenders[TOKEN_KEYS].merge(s, on=TOKEN_KEYS, how="left"), n)  # null keys match
+
+
+def ranked_tokens(s: pd.DataFrame, n: int) -> pd.DataFrame:
+    """`top_clipped_tokens`' table from TWO_SIDED_SUMS per rows.TOKEN_KEYS `s`: of every token, or of the
+    contenders alone (every key that can be among the n most clipped of its pair)."""
     s = _ranked(s.assign(n_tokens=s["n"], n_ratio_clip=s["c_hi"] + s["c_lo"]), n)
-    out = pd.concat([s[[*keys, "rank"]], clip_metrics(s, "all")], axis=1)
+    if s.empty:
+        return empty(TOKEN_COLUMNS)
+    out = pd.concat([s[[*TOKEN_KEYS, "rank"]], clip_metrics(s, "all")], axis=1)
     out[list(COUNTS)] = out[list(COUNTS)].astype("int64")
     out["token_id"] = out["token_id"].astype("Int64")
     out["adv_sign"] = "all"  # two-sided: a string is ranked over all its occurrences

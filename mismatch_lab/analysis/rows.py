@@ -135,6 +135,29 @@ def rollup(grid: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
     return grid.groupby(keys, dropna=False, sort=False).agg(agg).reset_index()
 
 
+TOKEN_KEYS = ["rollout", "scorer", "token_text", "token_id", "category"]
+"""The keys of `Rows.token_sums`: a token string (or the id of a token the store holds no text for) by category."""
+TOKEN_ID_KEYS = ("rollout", "scorer", "run_id", "token_id", "category")
+"""The keys of `Rows.token_id_sums`' pass: ids are cheap to group; they are named afterwards (`named_token_sums`)."""
+
+
+def token_names(con, keys: tuple[str, ...] = ("run_id", "token_id")) -> pd.DataFrame:
+    """(*keys, token_text): the least text of each token id of a run the store names (empty without texts);
+    `keys` may add the sequence's `step` (a shard unit's names, whose least over the units is the store's)."""
+    if "token_text" not in table_columns(con, "tokens"):
+        return query(con, f"SELECT {', '.join(f'NULL AS {k}' for k in keys)}, NULL AS token_text WHERE false")
+    join = " JOIN sequences q USING (run_id, seq_id)" if "step" in keys else ""
+    return query(con, f"SELECT {', '.join(keys)}, min(token_text) AS token_text FROM tokens{join} GROUP BY ALL")
+
+
+def named_token_sums(by_id: pd.DataFrame, names: pd.DataFrame) -> pd.DataFrame:
+    """Sums per TOKEN_KEYS from sums per (.., run_id, token_id, ..) `by_id` and each id's text `names` (run_id,
+    token_id, token_text): a named id stands under its text (token_id NULL), an unnamed one under its id."""
+    named = by_id.merge(names, on=["run_id", "token_id"], how="left")
+    named["token_id"] = named["token_id"].astype("Int64").where(named["token_text"].isna())
+    return rollup(named, TOKEN_KEYS)
+
+
 SEQUENCE_SUMS = (
     "count(*) AS response_len", "count(*) FILTER (WHERE NOT finite) AS n_nonfinite",
     "CASE WHEN bool_and(finite) THEN sum(dlogp) END AS logratio_sum",
@@ -380,42 +403,37 @@ class Rows:
         *,
         clipped: bool = False,
     ) -> pd.DataFrame:
-        """Sums per (rollout, scorer, token string, token_id, category) of the rollout rows. The pass groups
-        by (run_id, token_id) -- ids are cheap to group -- and names them from `tokens` afterwards. A token
-        the store holds no text for (recorded without a tokenizer) keeps its id as its key (token_text
-        NULL); a named token has token_id NULL, its string standing for every id that decodes to it.
-        `only`: the sums to compute (default all): the pass groups ~10^5 keys, each sum costs. `tokens`:
-        (token_text, token_id) keys as returned here: the pass then reads only the rows of their ids (the
-        sums of those keys are complete; other keys sharing an id may appear, partially summed).
-        `clipped`: only the rows the ratio clip of `t` drops (r > clip_high or r < clip_low): the counts
-        c_hi / c_lo of every key are still complete, the other sums cover those rows alone."""
+        """Sums per TOKEN_KEYS (rollout, scorer, token string, token_id, category) of the rollout rows: the sums
+        per id (`token_id_sums`) named by the store's texts (`named_token_sums`). A token the store holds no
+        text for (recorded without a tokenizer) keeps its id as its key (token_text NULL); a named token has
+        token_id NULL, its string standing for every id that decodes to it. `only`: the sums to compute
+        (default all): the pass groups ~10^5 keys, each sum costs. `tokens`: (token_text, token_id) keys as
+        returned here: the pass then reads only the rows of their ids (the sums of those keys are complete;
+        other keys sharing an id may appear, partially summed). `clipped`: only the rows the ratio clip of `t`
+        drops (r > clip_high or r < clip_low): the counts c_hi / c_lo of every key are still complete, the
+        other sums cover those rows alone."""
         ids = None if tokens is None else self._token_ids(tokens)
+        return self._run(("token_sums", t, only, None if ids is None else tuple(ids), clipped),
+                         lambda: named_token_sums(self.token_id_sums(t, only, ids, clipped=clipped),
+                                                  self._token_names()))
 
-        def run():
-            rel, params = self.sql["rollout"]
-            where = ["true"] if ids is None else ["token_id IN (SELECT unnest($tok_ids))"]
-            if clipped:  # r is NULL on non-finite rows, which count_if(r > ...) does not count either
-                where.append(f"(r > {float(t.clip_high)!r} OR r < {float(t.clip_low)!r})")
-            keys = ["rollout", "scorer", "run_id", "token_id", "category"]
-            sql = f"""
-                SELECT {', '.join(self._free(keys))}, {sums_sql(t, only, absent=self._const)}
-                FROM ({rel}) WHERE {' AND '.join(where)} GROUP BY ALL"""
-            by_id = query(self.con, self._refill(sql, keys), params | {"tok_ids": ids})
-            named = by_id.merge(self._token_names(), on=["run_id", "token_id"], how="left")
-            named["token_id"] = named["token_id"].astype("Int64").where(named["token_text"].isna())
-            return rollup(named, ["rollout", "scorer", "token_text", "token_id", "category"])
-
-        return self._run(("token_sums", t, only, None if ids is None else tuple(ids), clipped), run)
+    def token_id_sums(self, t: Thresholds, only: tuple[str, ...] | None = None, ids: list[int] | None = None, *,
+                      clipped: bool = False, keys: tuple[str, ...] = TOKEN_ID_KEYS) -> pd.DataFrame:
+        """Sums per `keys` (default TOKEN_ID_KEYS: a token id of a run, not yet named) of the rollout rows, of the
+        ids `ids` only where given, of the clipped rows only where `clipped` (`token_sums`)."""
+        rel, params = self.sql["rollout"]
+        where = ["true"] if ids is None else ["token_id IN (SELECT unnest($tok_ids))"]
+        if clipped:  # r is NULL on non-finite rows, which count_if(r > ...) does not count either
+            where.append(f"(r > {float(t.clip_high)!r} OR r < {float(t.clip_low)!r})")
+        sql = f"""
+            SELECT {', '.join(self._free(list(keys)))}, {sums_sql(t, only, absent=self._const)}
+            FROM ({rel}) WHERE {' AND '.join(where)} GROUP BY ALL"""
+        return query(self.con, self._refill(sql, list(keys)), params | {"tok_ids": ids})
 
     def _token_names(self) -> pd.DataFrame:
         """(run_id, token_id, token_text): the text of each id the store names (empty without texts)."""
         if "token_names" not in self._cache:
-            self._cache["token_names"] = query(
-                self.con,
-                "SELECT run_id, token_id, min(token_text) AS token_text FROM tokens GROUP BY ALL"
-                if "token_text" in table_columns(self.con, "tokens")
-                else "SELECT NULL AS run_id, NULL AS token_id, NULL AS token_text WHERE false",
-            )
+            self._cache["token_names"] = token_names(self.con)
         return self._cache["token_names"]
 
     def _token_ids(self, tokens: pd.DataFrame) -> list[int]:

@@ -269,6 +269,12 @@ class ShardUnits:
         finally:
             con.close()
 
+    def like(self, cls: type[ShardUnits]) -> ShardUnits:
+        """The same store as of the same snapshot, as the source `cls` reads it (another set of queries)."""
+        out = cls.__new__(cls)
+        out.scan, out.key, out.snap = self.scan, self.key, self.snap
+        return out
+
     def prime(self, con) -> None:
         """Inside `relations.fixed_store(con)`: the run ids of the run rows as read from the same run-row files
         before (every connection over units reads all of them; a query of the runs view costs ~5 ms of CPU)."""
@@ -365,12 +371,12 @@ class UnitQuery:
 
 
 def _queries() -> dict[str, UnitQuery]:
-    """The per-unit queries by name (a function: the analyses are imported when first used): the Training page's
-    and the Overview's (`units_overview.QUERIES`)."""
+    """The per-unit queries by name (a function: the analyses are imported when first used): the Training page's,
+    the Overview's (`units_overview.QUERIES`) and the Clipping page's and inspector's (`units_clipping.QUERIES`)."""
     from mismatch_lab.analysis import steps, violations
-    from mismatch_lab.store.units_overview import QUERIES
+    from mismatch_lab.store import units_clipping, units_overview
 
-    return QUERIES | {
+    return units_overview.QUERIES | units_clipping.QUERIES | {
         "step_series": UnitQuery(steps.step_series, ("run_id", "rollout", "scorer", "step")),
         "step_counts": UnitQuery(steps.step_counts, ("run_id", "step")),
         "train_series": UnitQuery(violations.train_series, ("run_id", "name", "step")),
@@ -415,6 +421,44 @@ def by_unit(source, results: cache.ResultsCache, name: str) -> pd.DataFrame:
         out = out.sort_values(order, kind="stable").reset_index(drop=True)
     with _BUILT_LOCK:
         _BUILT[(source.key, name)] = (fps, out)
+    return out
+
+
+def unit_parts(source, results: cache.ResultsCache, name: str, units, fps: dict[Unit, str]) -> dict[Unit, pd.DataFrame]:
+    """unit -> the rows of the query `name` on it as of `fps`, for each of `units`: just computed, else from the
+    results cache, else computed together (with every query of `source.queries`, as `by_unit`)."""
+    parts = {u: _part(source, results, name, u, fps[u]) for u in units}
+    todo = sorted(u for u, part in parts.items() if part is cache.MISSING)
+    if todo:
+        parts.update(_compute(source, results, fps, todo, name)[name][0])
+    return parts
+
+
+_SUMMED: dict[tuple, tuple[dict[Unit, str], pd.DataFrame]] = {}  # (store, query, keys) -> (fingerprints, sums)
+
+
+def summed(source, results: cache.ResultsCache, name: str, keys: list[str]) -> pd.DataFrame:
+    """The additive sums of the query `name` (rows.sums_sql's names: counts and sums added, x_ maxima by max) of
+    every unit, rolled up per `keys` (`rows.rollup`): equal to the query's sums over the whole store rolled up
+    so (a sum over units of disjoint rows), up to the order floating-point sums are added in. Kept per store
+    with the fingerprints it was built from: when the units it holds are unchanged, a refresh adds the new units'
+    parts to it (a refresh costs the new units' rows and the kept sums' rows, not every unit's parts); else it
+    is rolled up again from every unit's part."""
+    from mismatch_lab.analysis.rows import rollup
+
+    fps = source.fingerprints()
+    with _BUILT_LOCK:
+        kept = _SUMMED.get((source.key, name, tuple(keys)))
+    if kept is not None and kept[0] == fps:
+        return kept[1]
+    grows = kept is not None and all(fps.get(u) == fp for u, fp in kept[0].items())
+    parts = unit_parts(source, results, name, sorted(set(fps) - set(kept[0] if grows else ())), fps)
+    frames = [*([kept[1]] if grows else []), *(p for p in parts.values() if len(p))]
+    if not frames:  # no rows: the query's columns, from a connection over no unit
+        frames = [_compute(source, results, fps, [], name)[name][1]]
+    out = rollup(pd.concat(frames, ignore_index=True) if len(frames) > 1 else frames[0], keys)
+    with _BUILT_LOCK:
+        _SUMMED[(source.key, name, tuple(keys))] = (fps, out)
     return out
 
 
@@ -581,30 +625,3 @@ def token_topk(source: ShardUnits, results: cache.ResultsCache, run_id: str, seq
     found = _on_sequence(source, results, browse.token_topk, run_id, seq_id, int(pos))
     return found if found.empty else _on(source, list(source.fingerprints()), browse.token_topk, run_id, int(seq_id),
                                          int(pos))
-
-
-def run_list(source: ShardUnits, results: cache.ResultsCache) -> pd.DataFrame:
-    """`browse.list_runs` of a shard store (`units_overview.list_runs`, on the units of `source`)."""
-    from mismatch_lab.store.units_overview import list_runs
-
-    return list_runs(source, results)
-
-
-INSPECTOR = {  # the token inspector's look-ups: the whole-store function's module -> its per-unit form (InspectorUnits)
-    "list_runs": ("mismatch_lab.analysis.browse", run_list),
-    "training_steps": ("mismatch_lab.analysis.browse", training_steps),
-    "list_sequences": ("mismatch_lab.analysis.browse", list_sequences),
-    "sequence_tokens": ("mismatch_lab.analysis.browse", sequence_tokens),
-    "token_topk": ("mismatch_lab.analysis.browse", token_topk),
-}
-
-TRAINING = {  # the Training page's look-ups: the whole-store function's module -> its per-unit form on a shard store
-    "train_runs": ("mismatch_lab.analysis.browse", train_runs),
-    "training_steps": ("mismatch_lab.analysis.browse", training_steps),
-    "list_sequences": ("mismatch_lab.analysis.browse", list_sequences),
-    "train_series": ("mismatch_lab.analysis.violations", train_series),
-    "step_series": ("mismatch_lab.analysis.steps", step_series),
-}
-
-PAGES = {"training": (ShardUnits, TRAINING), "inspector": (InspectorUnits, INSPECTOR)}
-"""page -> (the source of its units, its look-ups): what `lab_ui.per_unit` reads per unit on a shard store."""

@@ -23,7 +23,7 @@ from app_paths import open_page
 
 from mismatch_lab.analysis import precision, steps
 from mismatch_lab.record import Recorder
-from mismatch_lab.store import cache, units
+from mismatch_lab.store import cache, units, units_pages
 from mismatch_lab.store.reader import open_store
 
 B, T = 4, 12
@@ -334,25 +334,40 @@ def _log_metrics(rec: Recorder, step: int, seed: int) -> None:
                  metrics={"reward/mean": float(rng.normal()), "mismatch/abs_dp/mean": float(rng.uniform())})
 
 
-def _whole_and_by_unit(path: Path, results: cache.ResultsCache) -> list[tuple[pd.DataFrame, pd.DataFrame]]:
-    """(whole-store result, per-unit result) of every per-unit look-up of `units.PAGES` (the Training page's, the
-    token inspector's) on the store."""
+def _whole_and_by_unit(path: Path, results: cache.ResultsCache) -> list[tuple[object, object, tuple]]:
+    """(whole-store result, per-unit result, (name, arguments)) of every per-unit look-up of `units_pages.PAGES` (the Training page's,
+    the token inspector's, the Clipping page's) on the store, every pair's where a look-up takes one."""
     import importlib
+
+    from mismatch_lab.analysis import browse
 
     con = open_store(path)
     seq_id = con.execute("SELECT max(seq_id) FROM sequences WHERE run_id = 'live' AND step = 1").fetchone()[0]
+    pairs = [{"rollout": r, "scorer": s} for r, s in browse.list_pairs(con)[["rollout", "scorer"]].itertuples(index=False)]
+    scorers = sorted({p["scorer"] for p in pairs})
     cases = {"list_sequences": [{"run_id": "live", "step": 1}, {"run_id": "live", "step": None}],
              "training_steps": [{"run_id": "live"}],
              "sequence_tokens": [{"run_id": "live", "seq_id": seq_id}, {"run_id": "live", "seq_id": -1}],
-             "token_topk": [{"run_id": "live", "seq_id": seq_id, "pos": 3}]}
+             "token_topk": [{"run_id": "live", "seq_id": seq_id, "pos": 3}],
+             "clipping_by_category": pairs, "top_clipped_tokens": [{"n": 5, **p} for p in pairs],
+             "worst_sequences": [{"n": 7}, {"scorer": "nobody", "n": 7}, *({"scorer": s, "n": 3} for s in scorers)]}
     out = []
-    for source, look_ups in units.PAGES.values():
+    for source, look_ups in units_pages.PAGES.values():
         for name, (module, per_unit) in look_ups.items():
             fn = getattr(importlib.import_module(module), name)
             for args in cases.get(name, [{}]):
-                out.append((fn(con, **args), per_unit(source(path), results, **args)))
+                out.append((fn(con, **args), per_unit(source(path), results, **args), (name, args)))
     con.close()
     return out
+
+
+def _assert_same(per_unit, whole, case) -> None:
+    if isinstance(whole, pd.DataFrame) and whole.empty:  # (DuckDB types an empty result's text columns object)
+        assert per_unit.empty and list(per_unit.columns) == list(whole.columns), case
+    elif isinstance(whole, pd.DataFrame):
+        pd.testing.assert_frame_equal(per_unit, whole, rtol=RTOL, obj=str(case))
+    else:  # (the categories: a list)
+        assert per_unit == whole, case
 
 
 def test_every_training_look_up_per_unit_equals_the_whole_store_query_as_a_run_goes_on_and_closes(tmp_path):
@@ -369,8 +384,8 @@ def test_every_training_look_up_per_unit_equals_the_whole_store_query_as_a_run_g
     rec.close()  # the run's status moves, no unit changes
     states.append(_whole_and_by_unit(path, results))
     for state in states:
-        for whole, per_unit in state:
-            pd.testing.assert_frame_equal(per_unit, whole, rtol=RTOL)
+        for whole, per_unit, case in state:
+            _assert_same(per_unit, whole, case)
     runs = states[-1][0][0].set_index("run_id")
     assert runs.loc["live", "status"] == "complete" and runs.loc["live", "steps"] == 3
     assert states[0][0][0].set_index("run_id").loc["live", "status"] == "running"

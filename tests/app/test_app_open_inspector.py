@@ -1,7 +1,7 @@
 """A button that opens the token inspector on a sequence (Training's step, Corrections' dropped sequence): the
 page that draws it prefetches the inspector's look-ups for that target (apps/lab_inspect.py), so the page run the
 click causes computes nothing; and on a shard store the inspector reads its runs, a run's steps and sequences and a
-sequence's tokens per unit (`store.units.INSPECTOR`), which hold the whole-store look-ups' rows.
+sequence's tokens per unit (`store.units_pages.INSPECTOR`), which hold the whole-store look-ups' rows.
 
 Computations are counted by wrapping the `browse` look-ups (a cache miss imports them by name) and
 `units._compute` (the per-unit ones); nothing is timed.
