@@ -424,44 +424,6 @@ def by_unit(source, results: cache.ResultsCache, name: str) -> pd.DataFrame:
     return out
 
 
-def unit_parts(source, results: cache.ResultsCache, name: str, units, fps: dict[Unit, str]) -> dict[Unit, pd.DataFrame]:
-    """unit -> the rows of the query `name` on it as of `fps`, for each of `units`: just computed, else from the
-    results cache, else computed together (with every query of `source.queries`, as `by_unit`)."""
-    parts = {u: _part(source, results, name, u, fps[u]) for u in units}
-    todo = sorted(u for u, part in parts.items() if part is cache.MISSING)
-    if todo:
-        parts.update(_compute(source, results, fps, todo, name)[name][0])
-    return parts
-
-
-_SUMMED: dict[tuple, tuple[dict[Unit, str], pd.DataFrame]] = {}  # (store, query, keys) -> (fingerprints, sums)
-
-
-def summed(source, results: cache.ResultsCache, name: str, keys: list[str]) -> pd.DataFrame:
-    """The additive sums of the query `name` (rows.sums_sql's names: counts and sums added, x_ maxima by max) of
-    every unit, rolled up per `keys` (`rows.rollup`): equal to the query's sums over the whole store rolled up
-    so (a sum over units of disjoint rows), up to the order floating-point sums are added in. Kept per store
-    with the fingerprints it was built from: when the units it holds are unchanged, a refresh adds the new units'
-    parts to it (a refresh costs the new units' rows and the kept sums' rows, not every unit's parts); else it
-    is rolled up again from every unit's part."""
-    from mismatch_lab.analysis.rows import rollup
-
-    fps = source.fingerprints()
-    with _BUILT_LOCK:
-        kept = _SUMMED.get((source.key, name, tuple(keys)))
-    if kept is not None and kept[0] == fps:
-        return kept[1]
-    grows = kept is not None and all(fps.get(u) == fp for u, fp in kept[0].items())
-    parts = unit_parts(source, results, name, sorted(set(fps) - set(kept[0] if grows else ())), fps)
-    frames = [*([kept[1]] if grows else []), *(p for p in parts.values() if len(p))]
-    if not frames:  # no rows: the query's columns, from a connection over no unit
-        frames = [_compute(source, results, fps, [], name)[name][1]]
-    out = rollup(pd.concat(frames, ignore_index=True) if len(frames) > 1 else frames[0], keys)
-    with _BUILT_LOCK:
-        _SUMMED[(source.key, name, tuple(keys))] = (fps, out)
-    return out
-
-
 def _in_order(frames: list[pd.DataFrame], order: list[str]) -> bool:
     """Whether `frames` one after the other are sorted by `order` (a stable sort would keep them as they are):
     the first is the kept table (sorted), the others a refresh's new parts, which usually come after it.

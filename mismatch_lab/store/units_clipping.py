@@ -1,25 +1,22 @@
-"""The app's Clipping page and the token inspector's worst sequences on a shard store still being written, per unit
-(run_id, step) as the Training page (`store.units`): each look-up equal to its whole-store function, merged from
-parts kept per unit, so that a refresh computes the new or changed steps only.
+"""The app's Clipping page and the token inspector's worst sequences on a shard store still being written: each
+look-up equal to its whole-store function, computed over the new or changed steps only at a refresh.
 
-What is kept per unit (`QUERIES`, computed together on one connection over the units, cached one entry a unit):
-    clip_grid        per (rollout, scorer, run_id, step, adv_sign, category): the additive sums of the clipping
-                     rules at the published thresholds (`Rows.grid` without its μ buckets); added up per
-                     (rollout, scorer, adv_sign, category) they are the grid `clipping.clipping_by_category`
-                     rolls up
-    clip_token_ids   per (rollout, scorer, run_id, step, token_id, category): the sums `clipping.ranked_tokens`
-                     reads (`Rows.token_id_sums`); added up over the steps they are the store's sums per id
-    clip_names       per (run_id, step, token_id): the least text of the id in the unit; the least over the units
-                     is the store's (`rows.token_names`), which names the ids' sums (`rows.named_token_sums`)
-    pair_counts      per (run_id, step, scorer): score rows (`browse.list_pairs`' counts, by the runs' rollout)
-    categories       per (run_id, step): the token categories present (`browse.list_categories`)
-    worst            per (run_id, step) and scope (every scorer: NULL; one scorer): the WORST_N sequences of
-                     `browse.worst_sequences` on the units computed together (`WorstUnits`, its own entries:
-                     computed when the inspector's Worst sequences mode is opened, not at every refresh)
-The sums of every unit are added up once and kept (`units.summed`): a refresh adds its new units' sums to them.
-The top clipped tokens are then ranked over every token's sums (the whole-store query ranks the contenders of a
-first pass: the same n rows). The worst sequences: a sequence's numbers come from its own rows, which lie in its
-unit, and a sequence among the n worst of the store is among the n worst of any set of units holding it, so
+The Clipping page's queries combine over sets of units (`units_merged`: kept as parts, one a set of units computed
+together, and combined):
+    clip_grid        per (rollout, scorer, adv_sign, category): the additive sums of the clipping rules at the
+                     published thresholds (`Rows.grid`, rolled up): the grid `clipping.clipping_by_category` reads
+    clip_token_ids   per (rollout, scorer, run_id, token_id, category): the sums `clipping.ranked_tokens` reads
+                     (`Rows.token_id_sums`)
+    token_names      per (run_id, token_id): the least text of the id (`rows.token_names`)
+    categories       per token category: its tokens (`browse.list_categories`)
+    pair_counts      per (run_id, scorer): score rows (`browse.list_pairs`' counts, by the runs' rollout labels)
+The top clipped tokens are ranked over every token's combined sums (the whole-store query ranks the contenders of a
+first pass: the same n rows).
+
+The worst sequences are kept per unit (`store.units`, `WorstUnits`: its own entries, computed when the inspector's
+Worst sequences mode is opened): per unit and scope (every scorer: NULL; each scorer) the WORST_N sequences of
+`browse.worst_sequences` on the units computed together. A sequence's numbers come from its own rows, which lie in
+its unit, and a sequence among the n worst of the store is among the n worst of any set of units holding it, so
 the n worst of the kept parts are the store's.
 """
 
@@ -28,11 +25,12 @@ from __future__ import annotations
 import pandas as pd
 
 from mismatch_lab.store import cache
-from mismatch_lab.store.units import ShardUnits, UnitQuery, _on, by_unit, summed
+from mismatch_lab.store.units import ShardUnits, UnitQuery, _on, by_unit
+from mismatch_lab.store.units_merged import merged
 
 WORST_N = 50
 """The worst sequences kept per unit and scope: the inspector's Worst sequences mode lists as many."""
-GRID_KEYS = ["rollout", "scorer", "run_id", "step", "adv_sign", "category"]
+GRID_KEYS = ["rollout", "scorer", "run_id", "step", "adv_sign", "category"]  # (and the μ buckets lb, gb)
 PAIR_KEYS = ["rollout", "scorer"]
 
 
@@ -53,40 +51,42 @@ def _rows(con):
 
 
 def clip_grid(con) -> pd.DataFrame:
-    from mismatch_lab.analysis.rows import rollup
-
     rows = _rows(con)
-    return rollup(rows.grid(_thresholds()), GRID_KEYS) if rows.ok else pd.DataFrame(columns=GRID_KEYS)
+    return rows.grid(_thresholds()) if rows.ok else pd.DataFrame(columns=GRID_KEYS)
 
 
 def clip_token_ids(con) -> pd.DataFrame:
     from mismatch_lab.analysis.clipping import TWO_SIDED_SUMS
     from mismatch_lab.analysis.rows import TOKEN_ID_KEYS
 
-    rows, keys = _rows(con), [*TOKEN_ID_KEYS, "step"]
-    return rows.token_id_sums(_thresholds(), TWO_SIDED_SUMS, keys=tuple(keys)) if rows.ok else pd.DataFrame(
-        columns=keys)
+    rows = _rows(con)
+    return rows.token_id_sums(_thresholds(), TWO_SIDED_SUMS) if rows.ok else pd.DataFrame(columns=TOKEN_ID_KEYS)
 
 
-def clip_names(con) -> pd.DataFrame:
-    from mismatch_lab.analysis.rows import token_names
+def token_names(con) -> pd.DataFrame:
+    """Per (run_id, token_id) of the tokens with a text: the least one (`rows.token_names`)."""
+    from mismatch_lab.analysis.relations import query, table_columns
 
-    return token_names(con, ("run_id", "step", "token_id"))
+    if "token_text" not in table_columns(con, "tokens"):
+        return pd.DataFrame({"run_id": pd.Series(dtype=object), "token_id": pd.Series(dtype="int64"),
+                             "token_text": pd.Series(dtype=object)})
+    return query(con, "SELECT run_id, token_id, min(token_text) AS token_text FROM tokens "
+                      "WHERE token_text IS NOT NULL GROUP BY ALL")
+
+
+def categories(con) -> pd.DataFrame:
+    """Per token category (`browse.list_categories`' rule): its tokens."""
+    from mismatch_lab.analysis.relations import col, query, table_columns
+
+    category = col(table_columns(con, "tokens"), "t", "category", "VARCHAR")
+    return query(con, f"SELECT coalesce({category}, 'uncategorized') AS category, count(*) AS n FROM tokens t "
+                      "GROUP BY ALL")
 
 
 def pair_counts(con) -> pd.DataFrame:
     from mismatch_lab.analysis.relations import query
 
-    return query(con, """SELECT s.run_id, q.step, s.scorer, count(*) AS n
-                         FROM scores s JOIN sequences q USING (run_id, seq_id) GROUP BY ALL""")
-
-
-def categories(con) -> pd.DataFrame:
-    from mismatch_lab.analysis.relations import col, query, table_columns
-
-    category = col(table_columns(con, "tokens"), "t", "category", "VARCHAR")
-    return query(con, f"""SELECT DISTINCT q.run_id, q.step, coalesce({category}, 'uncategorized') AS category
-                          FROM tokens t JOIN sequences q USING (run_id, seq_id)""")
+    return query(con, "SELECT run_id, scorer, count(*) AS n FROM scores GROUP BY ALL")
 
 
 def worst(con) -> pd.DataFrame:
@@ -101,21 +101,31 @@ def worst(con) -> pd.DataFrame:
     return pd.concat(found, ignore_index=True).merge(steps, on=["run_id", "seq_id"], how="left")
 
 
-QUERIES = {
-    "clip_grid": UnitQuery(clip_grid, tuple(GRID_KEYS)),
-    "clip_token_ids": UnitQuery(clip_token_ids, ("run_id", "step", "rollout", "scorer", "token_id", "category")),
-    "clip_names": UnitQuery(clip_names, ("run_id", "step", "token_id")),
-    "pair_counts": UnitQuery(pair_counts, ("run_id", "step", "scorer")),
-    "categories": UnitQuery(categories, ("run_id", "step", "category")),
-    "worst": UnitQuery(worst, ("run_id", "step", "seq_id")),
-}
+QUERIES = {"worst": UnitQuery(worst, ("run_id", "step", "seq_id"))}
 """The per-unit queries of this module (`units._queries` holds them with the others)."""
 
 
-class ClippingUnits(ShardUnits):
-    """The units of a shard store as the Clipping page reads them."""
+def _merged() -> dict:
+    from mismatch_lab.store.units_merged import Merged
 
-    queries = ("clip_grid", "clip_token_ids", "clip_names", "pair_counts", "categories")
+    return {
+        "clip_grid": Merged(clip_grid, (*PAIR_KEYS, "adv_sign", "category")),
+        "clip_token_ids": Merged(clip_token_ids, ("rollout", "scorer", "run_id", "token_id", "category")),
+        "token_names": Merged(token_names, ("run_id", "token_id"), {"token_text": "least"}),
+        "categories": Merged(categories, ("category",), {"n": "sum"}),
+        "pair_counts": Merged(pair_counts, ("run_id", "scorer"), {"n": "sum"}),
+    }
+
+
+class ClippingUnits(ShardUnits):
+    """The units of a shard store as the Clipping page reads them: its queries combined over sets of units
+    (`units_merged`)."""
+
+    queries = ()
+
+    @property
+    def merged(self) -> dict:
+        return _merged()
 
 
 class WorstUnits(ShardUnits):
@@ -139,7 +149,7 @@ def _run_labels(source: ShardUnits, results: cache.ResultsCache) -> pd.DataFrame
 
 def list_pairs(source: ShardUnits, results: cache.ResultsCache) -> pd.DataFrame:
     """`browse.list_pairs` of a shard store: the units' score counts per run and scorer, by the runs' rollout."""
-    counts = by_unit(source.like(ClippingUnits), results, "pair_counts")
+    counts = merged(source.like(ClippingUnits), results, "pair_counts")
     found = counts.merge(_run_labels(source, results), on="run_id")  # (as the whole store's join with the runs)
     out = found.groupby(PAIR_KEYS, sort=True)["n"].sum().astype("int64").reset_index()
     return out.rename(columns={"n": "n_tokens"})
@@ -147,14 +157,14 @@ def list_pairs(source: ShardUnits, results: cache.ResultsCache) -> pd.DataFrame:
 
 def list_categories(source: ShardUnits, results: cache.ResultsCache) -> list[str]:
     """`browse.list_categories` of a shard store: the categories of every unit."""
-    return sorted(set(by_unit(source.like(ClippingUnits), results, "categories")["category"]))
+    return sorted(merged(source.like(ClippingUnits), results, "categories")["category"].tolist())
 
 
 def clipping_by_category(source: ShardUnits, results: cache.ResultsCache, rollout: str, scorer: str) -> pd.DataFrame:
     """`clipping.clipping_by_category(rollout=, scorer=)` at the published thresholds, from the units' sums."""
     from mismatch_lab.analysis.clipping import category_table
 
-    grid = summed(source.like(ClippingUnits), results, "clip_grid", [*PAIR_KEYS, "adv_sign", "category"])
+    grid = merged(source.like(ClippingUnits), results, "clip_grid")
     return category_table(grid[(grid["rollout"] == rollout) & (grid["scorer"] == scorer)])
 
 
@@ -163,13 +173,12 @@ def top_clipped_tokens(source: ShardUnits, results: cache.ResultsCache, n: int, 
     """`clipping.top_clipped_tokens(n, rollout=, scorer=)` at the published thresholds, ranked over the units'
     sums of every token id, named by the least text of each id over the units."""
     from mismatch_lab.analysis.clipping import ranked_tokens
-    from mismatch_lab.analysis.rows import TOKEN_ID_KEYS, named_token_sums
+    from mismatch_lab.analysis.rows import named_token_sums
 
     clipping = source.like(ClippingUnits)
-    by_id = summed(clipping, results, "clip_token_ids", list(TOKEN_ID_KEYS))
+    by_id = merged(clipping, results, "clip_token_ids")
     by_id = by_id[(by_id["rollout"] == rollout) & (by_id["scorer"] == scorer)]
-    names = by_unit(clipping, results, "clip_names")
-    names = names.groupby(["run_id", "token_id"], sort=False)["token_text"].min().reset_index()
+    names = merged(clipping, results, "token_names")
     return ranked_tokens(named_token_sums(by_id, names), int(n))
 
 

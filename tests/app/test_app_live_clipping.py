@@ -8,7 +8,6 @@ step's files only and opens no connection on the whole store (counted by wrappin
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +17,7 @@ from app_paths import open_page
 
 from mismatch_lab.analysis import browse, clipping
 from mismatch_lab.record import Recorder
-from mismatch_lab.store import cache, units, units_clipping
+from mismatch_lab.store import cache, units_clipping, units_merged
 from mismatch_lab.store.reader import open_store
 
 B, T = 8, 24
@@ -106,56 +105,47 @@ def test_every_clipping_look_up_per_unit_equals_the_whole_store_query_as_the_run
     assert len(last["list_categories"]) > 1 and first["list_pairs"]["n_tokens"].sum() < last["list_pairs"]["n_tokens"].sum()
 
 
-@pytest.fixture
-def computed(monkeypatch):
-    """The units each per-unit computation of the Clipping page or the worst sequences took, one set per call."""
-    calls: list[tuple[str, set]] = []
-    real = units._compute
-
-    @functools.wraps(real)
-    def compute(source, results, fps, todo, name):
-        calls.append((name, set(todo)))
-        return real(source, results, fps, todo, name)
-
-    monkeypatch.setattr(units, "_compute", compute)
-    return calls
-
-
-def test_the_kept_sums_add_only_a_new_steps_parts(tmp_path, tokenizer, computed, monkeypatch):
-    """A refresh adds the new unit's parts to the kept sums; a unit written again has every unit's parts rolled up
-    again (read back, not computed: only the rewritten unit is)."""
-    asked: list[tuple[str, set]] = []
-    real = units.unit_parts
-    monkeypatch.setattr(units, "unit_parts", lambda source, results, name, todo, fps: asked.append(
-        (name, set(todo))) or real(source, results, name, todo, fps))
+def test_the_page_computes_a_new_step_alone_and_a_step_written_again_with_the_new_ones(tmp_path, tokenizer,
+                                                                                       monkeypatch):
+    """The Clipping page's queries are computed over the units no kept part holds: at a refresh, the new step's
+    (the parts kept in memory, or read back by a fresh process); a step written again drops the part holding it,
+    whose units are computed again."""
+    computed: list[set] = []
+    real = units_merged._compute
+    monkeypatch.setattr(units_merged, "_compute", lambda source, todo: computed.append(set(todo)) or real(source, todo))
     path, results = tmp_path / "live", cache.ResultsCache(tmp_path / "live")
     pair = {"rollout": "vllm:bf16", "scorer": "trainer"}
 
     def page():
         source = units_clipping.ClippingUnits(path)
-        return (units_clipping.clipping_by_category(source, results, **pair),
+        return (units_clipping.list_pairs(source, results), units_clipping.list_categories(source, results),
+                units_clipping.clipping_by_category(source, results, **pair),
                 units_clipping.top_clipped_tokens(source, results, 10, **pair))
 
     with _live(path, tokenizer) as rec:
         for step in range(3):
             _log(rec, step, step)
         page()
-        assert computed == [("clip_grid", {("live", s) for s in range(3)})]  # every query of the units at once
-        del computed[:], asked[:]
+        assert computed == [{("live", s) for s in range(3)}]  # every query of the units at once
         _log(rec, 3, 3)
         page()
-    assert computed == [("clip_grid", {("live", 3)})]
-    assert asked == [("clip_grid", {("live", 3)}), ("clip_token_ids", {("live", 3)})]  # the new unit's parts only
-    del computed[:], asked[:]
-    with _live(path, tokenizer) as again:
-        _log(again, 1, 99)
-    by_category, top = page()
-    assert computed == [("clip_grid", {("live", 1)})]
-    assert [a for _, a in asked] == [{("live", s) for s in range(4)}] * 2  # rolled up again from every part
+        assert computed[1:] == [{("live", 3)}]
+        monkeypatch.setattr(units_merged, "_KEPT", {})  # a fresh process: the parts are read back from disk
+        _log(rec, 4, 4)
+        page()
+        assert computed[2:] == [{("live", 4)}]
+    with _live(path, tokenizer) as again:  # a resumed job writes step 4 again
+        _log(again, 4, 99)
+    shown = page()
+    assert computed[3:] == [{("live", 4)}]  # (step 4's part held it alone)
+    with _live(path, tokenizer) as again:  # step 1 again: it was in the first part, computed again with it
+        _log(again, 1, 98)
+    shown = page()
+    assert computed[4:] == [{("live", s) for s in range(3)}]
     con = open_store(path)
     try:
-        pd.testing.assert_frame_equal(by_category, clipping.clipping_by_category(con, **pair), rtol=RTOL)
-        pd.testing.assert_frame_equal(top, clipping.top_clipped_tokens(con, 10, **pair), rtol=RTOL)
+        pd.testing.assert_frame_equal(shown[2], clipping.clipping_by_category(con, **pair), rtol=RTOL)
+        pd.testing.assert_frame_equal(shown[3], clipping.top_clipped_tokens(con, 10, **pair), rtol=RTOL)
     finally:
         con.close()
 
