@@ -191,7 +191,9 @@ def top_clipped_tokens(
 
 def ranked_tokens(s: pd.DataFrame, n: int) -> pd.DataFrame:
     """`top_clipped_tokens`' table from TWO_SIDED_SUMS per rows.TOKEN_KEYS `s`: of every token, or of the
-    contenders alone (every key that can be among the n most clipped of its pair)."""
+    contenders alone (every key that can be among the n most clipped of its pair). Tokens stored with neither id
+    nor text (recorded where the ids were not at hand) are not ranked: nothing names them."""
+    s = s[s["token_text"].notna() | s["token_id"].notna()]
     s = _ranked(s.assign(n_tokens=s["n"], n_ratio_clip=s["c_hi"] + s["c_lo"]), n)
     if s.empty:
         return empty(TOKEN_COLUMNS)

@@ -85,6 +85,11 @@ def test_every_clipping_look_up_per_unit_equals_the_whole_store_query_as_the_run
     with Recorder(path, "ids", framework="verl", rollout_engine="sglang", rollout_dtype="fp16") as other:
         for step in range(2):  # no tokenizer: its tokens are ranked by id
             _log(other, step, 20 + step)
+    with Recorder(path, "no-ids", framework="verl", rollout_engine="vllm", rollout_dtype="fp32") as loss:
+        rng = np.random.default_rng(5)  # recorded from a loss function: no token ids, nothing to rank by
+        lmu = -rng.exponential(0.5, (B, T))
+        loss.log_step(0, None, np.ones((B, T), bool), lmu, np.minimum(lmu + rng.normal(0, 0.3, (B, T)), 0.0),
+                      advantages=rng.normal(size=(B, T)))
     rec = _live(path, tokenizer)
     for step in range(3):
         _log(rec, step, step)
@@ -100,6 +105,8 @@ def test_every_clipping_look_up_per_unit_equals_the_whole_store_query_as_the_run
     assert named["token_text"].notna().all() and named["token_id"].isna().all() and len(named) > 10
     ids = last[next(k for k in last if k.startswith("top 100") and "sglang" in k)]
     assert ids["token_text"].isna().all() and ids["token_id"].notna().all()
+    assert last[next(k for k in last if k.startswith("top 100") and "fp32" in k)].empty  # (its tokens clipped)
+    assert last[next(k for k in last if k.startswith("by category") and "fp32" in k)]["n_ratio_clip"].sum() > 0
     signs = last[next(k for k in last if k.startswith("by category") and "vllm" in k)]["adv_sign"]
     assert {"all", "positive", "negative"} <= set(signs)  # the prompt groups' advantages: both signs
     assert len(last["list_categories"]) > 1 and first["list_pairs"]["n_tokens"].sum() < last["list_pairs"]["n_tokens"].sum()
