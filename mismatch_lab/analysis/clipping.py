@@ -47,6 +47,10 @@ RULES = {
 TWO_SIDED_SUMS = ("n", "n_nonfinite", "s_mu", "s_ent", "n_ent", "n_topk",
                   *(c for v in RULES["all"].values() for c in ((v,) if isinstance(v, str) else v)))
 """The sums clip_metrics(s, 'all') reads: all the per-token-string pass computes for the ranked tokens."""
+CATEGORY_SUMS = tuple(dict.fromkeys(
+    ("n", "n_nonfinite", "s_mu", "s_ent", "n_ent", "n_topk",
+     *(c for rule in RULES.values() for v in rule.values() for c in ((v,) if isinstance(v, str) else v)))))
+"""The sums clip_metrics reads for every advantage sign: all a table by category needs of the grid."""
 
 
 def clip_metrics(s: pd.DataFrame, sign: str) -> pd.DataFrame:

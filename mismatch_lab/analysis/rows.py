@@ -138,7 +138,7 @@ def rollup(grid: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
 TOKEN_KEYS = ["rollout", "scorer", "token_text", "token_id", "category"]
 """The keys of `Rows.token_sums`: a token string (or the id of a token the store holds no text for) by category."""
 TOKEN_ID_KEYS = ("rollout", "scorer", "run_id", "token_id", "category")
-"""The keys of `Rows.token_id_sums`' pass: ids are cheap to group; they are named afterwards (`named_token_sums`)."""
+"""The keys of `Rows.token_sums`' pass: ids are cheap to group; they are named afterwards (`named_token_sums`)."""
 
 
 def token_names(con, keys: tuple[str, ...] = ("run_id", "token_id")) -> pd.DataFrame:
@@ -404,7 +404,7 @@ class Rows:
         clipped: bool = False,
     ) -> pd.DataFrame:
         """Sums per TOKEN_KEYS (rollout, scorer, token string, token_id, category) of the rollout rows: the sums
-        per id (`token_id_sums`) named by the store's texts (`named_token_sums`). A token the store holds no
+        per id (`sums_by(TOKEN_ID_KEYS)`) named by the store's texts (`named_token_sums`). A token the store holds no
         text for (recorded without a tokenizer) keeps its id as its key (token_text NULL); a named token has
         token_id NULL, its string standing for every id that decodes to it. `only`: the sums to compute
         (default all): the pass groups ~10^5 keys, each sum costs. `tokens`: (token_text, token_id) keys as
@@ -414,13 +414,13 @@ class Rows:
         other sums cover those rows alone."""
         ids = None if tokens is None else self._token_ids(tokens)
         return self._run(("token_sums", t, only, None if ids is None else tuple(ids), clipped),
-                         lambda: named_token_sums(self.token_id_sums(t, only, ids, clipped=clipped),
+                         lambda: named_token_sums(self.sums_by(TOKEN_ID_KEYS, t, only, ids, clipped=clipped),
                                                   self._token_names()))
 
-    def token_id_sums(self, t: Thresholds, only: tuple[str, ...] | None = None, ids: list[int] | None = None, *,
-                      clipped: bool = False, keys: tuple[str, ...] = TOKEN_ID_KEYS) -> pd.DataFrame:
-        """Sums per `keys` (default TOKEN_ID_KEYS: a token id of a run, not yet named) of the rollout rows, of the
-        ids `ids` only where given, of the clipped rows only where `clipped` (`token_sums`)."""
+    def sums_by(self, keys: tuple[str, ...], t: Thresholds, only: tuple[str, ...] | None = None,
+                ids: list[int] | None = None, *, clipped: bool = False) -> pd.DataFrame:
+        """Sums `only` (default all) per `keys` of the rollout rows (e.g. TOKEN_ID_KEYS: a token id of a run, not
+        yet named), of the ids `ids` only where given, of the clipped rows only where `clipped` (`token_sums`)."""
         rel, params = self.sql["rollout"]
         where = ["true"] if ids is None else ["token_id IN (SELECT unnest($tok_ids))"]
         if clipped:  # r is NULL on non-finite rows, which count_if(r > ...) does not count either

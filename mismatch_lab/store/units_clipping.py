@@ -4,9 +4,10 @@ look-up equal to its whole-store function, computed over the new or changed step
 The Clipping page's queries combine over sets of units (`units_merged`: kept as parts, one a set of units computed
 together, and combined):
     clip_grid        per (rollout, scorer, adv_sign, category): the additive sums of the clipping rules at the
-                     published thresholds (`Rows.grid`, rolled up): the grid `clipping.clipping_by_category` reads
+                     published thresholds that `clipping.category_table` reads (`clipping.CATEGORY_SUMS`; the
+                     whole-store function rolls them up from `Rows.grid`)
     clip_token_ids   per (rollout, scorer, run_id, token_id, category): the sums `clipping.ranked_tokens` reads
-                     (`Rows.token_id_sums`)
+                     (`Rows.sums_by`)
     token_names      per (run_id, token_id): the least text of the id (`rows.token_names`)
     categories       per token category: its tokens (`browse.list_categories`)
     pair_counts      per (run_id, scorer): score rows (`browse.list_pairs`' counts, by the runs' rollout labels)
@@ -30,7 +31,7 @@ from mismatch_lab.store.units_merged import merged
 
 WORST_N = 50
 """The worst sequences kept per unit and scope: the inspector's Worst sequences mode lists as many."""
-GRID_KEYS = ["rollout", "scorer", "run_id", "step", "adv_sign", "category"]  # (and the μ buckets lb, gb)
+GRID_KEYS = ("rollout", "scorer", "adv_sign", "category")
 PAIR_KEYS = ["rollout", "scorer"]
 
 
@@ -51,8 +52,10 @@ def _rows(con):
 
 
 def clip_grid(con) -> pd.DataFrame:
+    from mismatch_lab.analysis.clipping import CATEGORY_SUMS
+
     rows = _rows(con)
-    return rows.grid(_thresholds()) if rows.ok else pd.DataFrame(columns=GRID_KEYS)
+    return rows.sums_by(GRID_KEYS, _thresholds(), CATEGORY_SUMS) if rows.ok else pd.DataFrame(columns=GRID_KEYS)
 
 
 def clip_token_ids(con) -> pd.DataFrame:
@@ -60,7 +63,8 @@ def clip_token_ids(con) -> pd.DataFrame:
     from mismatch_lab.analysis.rows import TOKEN_ID_KEYS
 
     rows = _rows(con)
-    return rows.token_id_sums(_thresholds(), TWO_SIDED_SUMS) if rows.ok else pd.DataFrame(columns=TOKEN_ID_KEYS)
+    return rows.sums_by(TOKEN_ID_KEYS, _thresholds(), TWO_SIDED_SUMS) if rows.ok else pd.DataFrame(
+        columns=TOKEN_ID_KEYS)
 
 
 def token_names(con) -> pd.DataFrame:
@@ -109,7 +113,7 @@ def _merged() -> dict:
     from mismatch_lab.store.units_merged import Merged
 
     return {
-        "clip_grid": Merged(clip_grid, (*PAIR_KEYS, "adv_sign", "category")),
+        "clip_grid": Merged(clip_grid, GRID_KEYS),
         "clip_token_ids": Merged(clip_token_ids, ("rollout", "scorer", "run_id", "token_id", "category")),
         "token_names": Merged(token_names, ("run_id", "token_id"), {"token_text": "least"}),
         "categories": Merged(categories, ("category",), {"n": "sum"}),
