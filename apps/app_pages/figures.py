@@ -6,7 +6,7 @@ import streamlit as st
 from mismatch_lab.analysis import browse
 
 st.title("Figures")
-path = lab_ui.store()
+path = lab_ui.live_store()  # (lists the study folder's figures: no connection on a shard store)
 figures = browse.study_figures(path)
 folder = browse.study_dir(path) / "figures"
 

@@ -6,8 +6,6 @@ import lab_ui
 import pandas as pd
 import streamlit as st
 
-from mismatch_lab.analysis.routing import routing_table
-
 EMPTY = ("No routing recorded in this store: run `mismatch-lab collect` on an MoE model (see docs/moe.md).")
 
 st.title("Routing")
@@ -17,8 +15,8 @@ st.caption(
     "rollout router's k-th minus (k+1)-th logit. A `-r3` scorer replays the rollout's expert ids; R3 share = "
     "1 − mean|Δp|(r3) / mean|Δp|. Definitions: docs/analysis.md (routing)."
 )
-lab_ui.store()
-table = lab_ui.query(routing_table)
+lab_ui.live_store()  # (a shard store: no connection on the whole store where only the rollout's routes are stored)
+table = lab_ui.per_unit("routing", "routing_table")
 if table.empty:
     st.info(EMPTY)
     st.stop()

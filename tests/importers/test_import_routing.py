@@ -220,3 +220,30 @@ def test_routing_in_some_samples_only_is_a_one_line_error(cli, tmp_path):
     torch.save(p, tmp_path / "0.pt")
     code, _, err = cli("import", "slime", tmp_path / "0.pt", "--out", tmp_path / "store", "--trust-pickle")
     assert code == 2 and "'rollout_routed_experts' is present in some samples and missing in others" in err
+
+
+def test_the_routing_page_of_an_import_with_only_rollout_routing_reads_no_whole_store(cli, tmp_path, monkeypatch):
+    """The Routing page's table of a shard store (`store.units_routing`) from the sides its units hold: with the
+    rollout's routes alone it is the whole-store table (empty: no cell both sides recorded), and a refresh after a
+    new step counts that step's rows alone, with no connection on the whole store."""
+    from mismatch_lab.analysis import routing
+    from mismatch_lab.store import cache, reader, units_merged, units_routing
+
+    _, store = _skyrl_import(cli, tmp_path, steps=(1, 2))
+    results = cache.ResultsCache(store)
+    con = open_store(store)
+    whole = routing.routing_table(con)
+    con.close()
+    mine = units_routing.routing_table(units_routing.RoutingUnits(store), results)
+    assert whole.empty and mine.empty and list(mine.columns) == list(whole.columns)
+    sides = units_merged.merged(units_routing.RoutingUnits(store), results, "routing_sides")
+    assert set(sides["side"]) == {ROUTING_ROLLOUT_SIDE} and sides["n"].sum() > 0
+    opens = []
+    opened = reader._open_parquet_dir
+    monkeypatch.setattr(reader, "_open_parquet_dir", lambda d, files=None, *a, **k: opens.append(files)
+                        or opened(d, files, *a, **k))
+    _skyrl_import(cli, tmp_path, steps=(3,))  # (the import adds the new dump: the others are imported)
+    assert units_routing.routing_table(units_routing.RoutingUnits(store), results).empty
+    assert opens and None not in opens
+    read = {p.split("/step-")[1][:8] for files in opens for t, fs in files.items() if t != "runs" for p in fs}
+    assert read == {"00000003"}
