@@ -13,18 +13,22 @@ the new units' parts only.
 Per bucketing (scale, buckets, ε): the table's groups (`_Groups`), kept in memory per store, pair and bucketing
 (the last MAX_GROUPS of them) with the fingerprints they were built from: per μ bucket its sums (rows.sums_sql's
 VOLATILITY_SUMS, added) and, per quantile value (`volatility.QUANTILED`: r, binary TV, top-K TV, exact TV), its
-non-NULL values sorted. A refresh whose units only grew computes the new units' groups (one GROUP BY over their
-tokens in an in-memory DuckDB, `volatility.bucket_groups_sql`: the same SQL of metrics, buckets and sums), adds
-their sums and merges their sorted values into the kept ones (`_merged`: O(n), no full sort); the quantiles are
-then read from the sorted values as quantile_cont interpolates them (`quantiles.select`, bit for bit). Where a
-kept unit changed or went (a resumed job logged a step again), the groups are built again from every unit's
-tokens in memory (no store read but the changed units'). Memory: ~8 bytes a token and quantile value (r and
-binary TV always; top-K and exact TV where the pair has them) for each bucketing kept, beside the tokens' 17-33.
+non-NULL values in order (`_Sorted`). A refresh whose units only grew computes the new units' groups (one GROUP
+BY over their tokens in an in-memory DuckDB, on the process's one-thread database: `volatility.bucket_groups_sql`,
+the same SQL of metrics, buckets and sums), adds their sums and merges their values into the kept ones
+(`_merged`): a new value's rank among the kept ones is a binary search, and the kept sorted array is built
+again (a linear merge, no full sort) only once the values added since outgrow 1/COMPACT of it, so that a
+refresh costs in proportion to its new tokens (amortized), not to the pair's. The quantiles are read from the
+values in order as quantile_cont interpolates them (`quantiles.interpolate`, bit for bit). Where a kept unit
+changed or went (a resumed job logged a step again), the groups are built again from every unit's tokens in
+memory (no store read but the changed units'). Memory: ~8 bytes a token and quantile value (r and binary TV
+always; top-K and exact TV where the pair has them) for each bucketing kept, beside the tokens' 17-33.
 """
 
 from __future__ import annotations
 
 import collections
+import math
 import threading
 from dataclasses import dataclass
 
@@ -38,6 +42,8 @@ QUERY = "units_volatility.pair_tokens"
 """The results cache's query of one (pair, unit)'s tokens: (QUERY, rollout, scorer, unit)."""
 MAX_PAIRS = 16
 """Pairs (of any store) whose tokens per unit are kept in memory (the last used; as lab_cache._pair_tokens')."""
+COMPACT = 8
+"""A bucket's added values are merged into its kept ones once they are more than 1/COMPACT of them (`_Sorted`)."""
 MAX_GROUPS = 8
 """Bucketings whose groups are kept in memory (the last used): the page's linear and log tables of 4 pairs."""
 UNIT_COLUMNS = ("run_id", "step")
@@ -60,7 +66,58 @@ class _Groups:
 
     fps: dict[Unit, str]
     sums: pd.DataFrame
-    values: dict[int, tuple[np.ndarray, ...]]
+    values: dict[int, tuple[_Sorted, ...]]
+
+
+_NO_VALUES, _NO_RANKS = np.empty(0), np.empty(0, np.int64)  # (never written to)
+
+
+@dataclass(frozen=True)
+class _Sorted:
+    """One bucket's values of one quantile value in order without one sorted array of them all: `kept` (sorted)
+    and `added` (sorted: the values merged in since `kept` was built), `at` each added value's index in the merge
+    of both (the count of kept values <= it, plus its own index). A merge of new values costs their count times
+    log(kept) plus the added ones (`with_new`); `kept` is built again, the O(n) part, once `added` outgrows
+    1/COMPACT of it: amortized, a refresh costs in proportion to its new values."""
+
+    kept: np.ndarray
+    added: np.ndarray
+    at: np.ndarray
+
+    @classmethod
+    def of(cls, values: np.ndarray) -> _Sorted:
+        """Sorted values, all kept."""
+        return cls(values, _NO_VALUES, _NO_RANKS)
+
+    def __len__(self) -> int:
+        return len(self.kept) + len(self.added)
+
+    def __getitem__(self, k: int) -> float:
+        """The value of rank k (0-based) among both, in numpy's order (NaN last, as DuckDB orders them)."""
+        j = int(np.searchsorted(self.at, k))  # the added values before rank k
+        return float(self.added[j]) if j < len(self.at) and self.at[j] == k else float(self.kept[k - j])
+
+    def quantile(self, q: float) -> float:
+        """quantile_cont(q) of the values (`quantiles.select` on them sorted): NaN for none."""
+        from mismatch_lab.analysis.quantiles import interpolate
+
+        n = len(self)
+        if n == 0:
+            return math.nan
+        h = float(n - 1) * q
+        lo, hi = math.floor(h), math.ceil(h)
+        return interpolate(self[lo], self[hi], h - lo)
+
+    def with_new(self, new: np.ndarray) -> _Sorted:
+        """These values and the sorted values `new`."""
+        if not len(new):
+            return self
+        if (len(self.added) + len(new)) * COMPACT > len(self.kept):
+            return _Sorted.of(_merge(_merge(self.kept, self.added), new))
+        values = np.concatenate([self.added, new])
+        below = np.concatenate([self.at - np.arange(len(self.at)), np.searchsorted(self.kept, new, side="right")])
+        order = np.argsort(values, kind="stable")  # two sorted runs: merged in linear time
+        return _Sorted(self.kept, values[order], below[order] + np.arange(len(order)))
 
 
 _TOKENS: collections.OrderedDict[tuple, _Tokens] = collections.OrderedDict()  # (store, pair) -> tokens per unit
@@ -248,7 +305,7 @@ def _groups_of(parts: list, bucketing: tuple, fps: dict[Unit, str]) -> _Groups:
                      for c in ["bucket", *VOLATILITY_SUMS]}).to_pandas().set_index("bucket")
     values = {}
     for row, bucket in enumerate(got["bucket"].to_pylist()):
-        values[int(bucket)] = tuple(_sorted(got[f"_v{i}"][row]) for i in range(len(QUANTILED)))
+        values[int(bucket)] = tuple(_Sorted.of(_sorted(got[f"_v{i}"][row])) for i in range(len(QUANTILED)))
     return _Groups(fps, sums, values)
 
 
@@ -257,6 +314,16 @@ def _sorted(values) -> np.ndarray:
     if not values.is_valid:
         return np.empty(0)
     return np.sort(values.values.to_numpy(zero_copy_only=False).astype(np.float64, copy=False))
+
+
+def _merge(old: np.ndarray, new: np.ndarray) -> np.ndarray:
+    """Two sorted arrays as one sorted array: concatenated, then numpy's stable sort (timsort on floats) merges
+    the two runs in linear time."""
+    if not len(new):
+        return old
+    out = np.concatenate([old, new])
+    out.sort(kind="stable")
+    return out
 
 
 def _merged(kept: _Groups, new: _Groups) -> _Groups:
@@ -271,24 +338,14 @@ def _merged(kept: _Groups, new: _Groups) -> _Groups:
     values = dict(kept.values)
     for bucket, added in new.values.items():
         old = values.get(bucket)
-        values[bucket] = added if old is None else tuple(_merge(a, b) for a, b in zip(old, added, strict=True))
+        values[bucket] = added if old is None else tuple(
+            a.with_new(b.kept) for a, b in zip(old, added, strict=True))  # (a new groups' values are all kept)
     return _Groups(new.fps, sums, values)
-
-
-def _merge(old: np.ndarray, new: np.ndarray) -> np.ndarray:
-    """Two sorted arrays as one sorted array: concatenated, then numpy's stable sort (timsort on floats) merges
-    the two runs in linear time."""
-    if not len(new):
-        return old
-    out = np.concatenate([old, new])
-    out.sort(kind="stable")
-    return out
 
 
 def _table(groups: _Groups, rollout: str, scorer: str, buckets: str, edges) -> pd.DataFrame:
     """The volatility table of the pair from its groups (`volatility._table`), the quantiles read from the sorted
     values as quantile_cont interpolates them."""
-    from mismatch_lab.analysis.quantiles import select
     from mismatch_lab.analysis.volatility import QUANTILED, _table
 
     order = sorted(groups.values)
@@ -299,6 +356,6 @@ def _table(groups: _Groups, rollout: str, scorer: str, buckets: str, edges) -> p
     q = pd.DataFrame(labels)
     for i, (levels, columns) in enumerate(QUANTILED.values()):
         for level, column in zip(levels, columns, strict=True):
-            q[column] = pd.Series([select(groups.values[b][i], 0, len(groups.values[b][i]), level) for b in order],
+            q[column] = pd.Series([groups.values[b][i].quantile(level) for b in order],
                                   dtype="float64")
     return _table(s, q, buckets, edges)

@@ -149,7 +149,8 @@ def _assert_equal(path, results: cache.ResultsCache, rollouts=("sglang:bf16", "v
     return pairs
 
 
-def test_each_pairs_table_per_unit_equals_the_whole_store_table_as_the_runs_go_on(tmp_path, counted):
+def test_each_pairs_table_per_unit_equals_the_whole_store_table_as_the_runs_go_on(tmp_path, monkeypatch, counted):
+    monkeypatch.setattr(units_volatility, "COMPACT", 0)  # new values never merged into the kept ones: their ranks
     path = tmp_path / "live"
     results = cache.ResultsCache(path)
     with _recorder(path, "other", "sglang") as other:  # another pair
@@ -189,6 +190,28 @@ def test_each_pairs_table_per_unit_equals_the_whole_store_table_as_the_runs_go_o
     assert counted["units"] == [{("live", 2), ("live", 3), ("live", 4)}, {("live", 2)}]
     table = units_volatility.volatility_of(ShardUnits(path), results, "vllm:bf16", "verl:trainer", "log")
     assert table["n_topk"].sum() == B * T and table["n_exact"].sum() == B * T - 1  # step 4's: step 2's went
+
+
+@pytest.mark.parametrize("compact", [0, 2, 8])
+def test_values_merged_in_as_runs_go_on_give_the_quantiles_of_all_of_them_sorted(monkeypatch, compact):
+    """A bucket's values, new ones merged in many times (their ranks among the kept ones, or all merged): each
+    quantile is quantiles.select's on every value sorted (NaN last, ties, infinities)."""
+    from mismatch_lab.analysis.quantiles import select
+
+    monkeypatch.setattr(units_volatility, "COMPACT", compact)
+    rng = np.random.default_rng(compact)
+    pool = np.concatenate([rng.normal(size=400), rng.integers(0, 5, 200).astype(float), [np.nan, np.inf, -np.inf]])
+    values = rng.permutation(pool)
+    merged, seen = units_volatility._Sorted.of(np.sort(values[:50])), list(values[:50])
+    for start in range(50, len(values), 37):
+        new = values[start:start + 37]
+        merged, seen = merged.with_new(np.sort(new)), seen + list(new)
+        every = np.sort(np.array(seen))
+        assert len(merged) == len(every)
+        for q in (0.0, 0.01, 0.05, 0.5, 0.95, 0.99, 1.0):
+            want, got = select(every, 0, len(every), q), merged.quantile(q)
+            assert (np.isnan(want) and np.isnan(got)) or got == want, (q, got, want)
+    assert compact != 0 or len(merged.added) == len(values) - 50  # (0: never merged into the kept ones)
 
 
 def test_a_new_process_reads_the_units_tokens_from_the_results_cache(tmp_path, counted):
