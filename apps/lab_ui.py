@@ -191,11 +191,15 @@ def corrections_of(path: str | None = None):
     """The Corrections page's tables: every method of the registry on every pair, published defaults."""
     from mismatch_lab.corrections.layout import pair_info
 
-    path = path or store()
-    if _call(path, pair_info).empty:
+    path = path or live_store()
+    if is_shard_store(path):  # merged from per-unit parts (a refresh compares the new steps only)
+        tables = _corrections_units(path, "comparison", ())
+        tables = None if tables["corrections"].empty else tables
+    elif _call(path, pair_info).empty:
         return None
-    _compare_keeping_drops(path, None, None, None)
-    tables = _call_named(path, COMPARE, "compare", overrides=None)
+    else:
+        _compare_keeping_drops(path, None, None, None)
+        tables = _call_named(path, COMPARE, "compare", overrides=None)
     _EXACT_DONE[(path, fingerprint(path), ())] = time.monotonic()  # the page shows it now on
     return tables
 
@@ -217,7 +221,60 @@ def _frozen(overrides) -> tuple:
 
 
 def _cached_sample(path: str, every: int, pair: tuple | None, module: str, name: str, args: tuple, kwargs: tuple):
+    by_unit = _SAMPLE_BY_UNIT.get((module, name))
+    if by_unit and is_shard_store(path) and not args and kwargs in ((), (("overrides", None),)) and (
+            pair is None or by_unit == "comparison"):
+        return _corrections_units(path, by_unit, (every, pair) if pair else (every,))
     return _sample_at(path, fingerprint(path), every, pair, module, name, args, kwargs)
+
+
+_SAMPLE_BY_UNIT = {  # a sample's look-up (module, name) -> its per-unit form on a shard store (units_corrections)
+    ("mismatch_lab.corrections.layout", "pair_info"): "sample_info",
+    ("mismatch_lab.analysis.sample", "sample_size"): "sample_size",
+    (COMPARE, "compare"): "comparison",  # (at the published defaults)
+}
+
+
+def _corrections_units(path: str, name: str, args: tuple):
+    """`_corrections_by_unit` as of the store's fingerprint now; a store it cannot open stops the page with what
+    `store()` says."""
+    try:
+        return _corrections_by_unit(path, fingerprint(path), name, args)
+    except UserError as exc:
+        st.error(f"Cannot open `{store_label(path)}`: {exc}")
+        st.stop()
+
+
+@st.cache_data(ttl=TTL_S, show_spinner="Comparing the new steps…", max_entries=256)
+def _corrections_by_unit(path: str, fp: str, name: str, args: tuple):
+    """`units_corrections.<name>(source, results, *args)` of a shard store as of `fp`, merged from per-unit parts
+    (a refresh compares the new or changed steps only, and opens no connection on the whole store)."""
+    from lab_stores import page_work
+
+    from mismatch_lab.store import units_corrections
+
+    with page_work():
+        return getattr(units_corrections, name)(units_corrections.OverviewUnits(path, fp), disk(path), *args)
+
+
+@st.cache_resource(ttl=TTL_S, show_spinner=False, max_entries=8)
+def _dropped_by_unit(path: str, fp: str, every: int | None, pair: tuple, method: str) -> pd.DataFrame:
+    """`method`'s rows of the pair's PairDrops merged from per-unit parts (`units_corrections.pair_drops`); shared
+    and never copied: read only."""
+    from lab_stores import page_work
+
+    from mismatch_lab.store import units_corrections
+
+    with page_work():
+        source = units_corrections.OverviewUnits(path, fp)
+        return units_corrections.pair_drops(source, disk(path), every, pair).tokens(method)
+
+
+def _store_size(path: str) -> dict:
+    """`sample_size` of the whole store (per unit on a shard store)."""
+    if is_shard_store(path):
+        return _corrections_units(path, "sample_size", ())
+    return _call(path, sample_size)
 
 
 @st.cache_data(ttl=TTL_S, show_spinner="Querying a sample…", max_entries=512)
@@ -230,8 +287,13 @@ def _sample_at(path: str, fp: str, every: int, pair: tuple | None, module: str, 
 
 
 def corrections_sample_every(path: str | None = None) -> int:
-    """1 for a store of at most CORRECTIONS_SAMPLE_TOKENS tokens, else the sampling stride of its prompt groups."""
-    return stride(_call(path or store(), sample_size)["tokens"], CORRECTIONS_SAMPLE_TOKENS)
+    """1 for a store of at most CORRECTIONS_SAMPLE_TOKENS tokens, else the sampling stride of its prompt groups;
+    on a shard store rounded up to a power of two (`measure.sample_every`), so that a store being written keeps
+    its sample, and the parts compared of it, until it doubles."""
+    from mismatch_lab.doctor.measure import sample_every
+
+    path = path or live_store()
+    return (sample_every if is_shard_store(path) else stride)(_store_size(path)["tokens"], CORRECTIONS_SAMPLE_TOKENS)
 
 
 def _compare_keeping_drops(path: str, every: int | None, pair: tuple | None, overrides) -> None:
@@ -239,6 +301,9 @@ def _compare_keeping_drops(path: str, every: int | None, pair: tuple | None, ove
     sample's `pair`), under the key its cached call reads, and from the same pass each pair's dropped tokens
     (`dropped.PairDrops`, for `dropped_tokens_of`): the rules then run once for both. With overrides, on the
     comparison at the defaults (computed first when missing): only the methods the overrides change are run."""
+    if is_shard_store(path) and not overrides:  # per unit: the parts keep the drops (units_corrections)
+        _corrections_units(path, "comparison", (every, pair) if every else ())
+        return
     fp = fingerprint(path)
     query = _compare_query(every, pair, overrides)
     if disk(path).has(query, fp):
@@ -268,6 +333,8 @@ def _at_defaults(path: str, fp: str, every: int | None, pair: tuple | None):
     missing); None if it is not all there after all (an entry not ours, or of an earlier version)."""
     from mismatch_lab.corrections.dropped import Compared
 
+    if is_shard_store(path):  # (kept per unit, not as one pass's sums to splice into: the overrides run every method)
+        return None
     _compare_keeping_drops(path, every, pair, None)
     tables, sums = (disk(path).get(q, fp) for q in (_compare_query(every, pair, None), _sums_query(every, pair)))
     if tables is cache.MISSING or sums is cache.MISSING:
@@ -331,11 +398,14 @@ def method_defaults() -> pd.DataFrame:
         return pd.DataFrame([{"method": v.label, "parameter": k, "default": x}
                              for v in variants() for k, x in v.params.items()])
 
-    return disk(store()).get_or_compute(("corrections.method_defaults",), cache.code_fingerprint(), compute)
+    return disk(live_store()).get_or_compute(("corrections.method_defaults",), cache.code_fingerprint(), compute)
 
 
 def _exact_on_disk(path: str) -> bool:
-    """Whether the comparison of every token at the published defaults is in the store's disk cache."""
+    """Whether the comparison of every token at the published defaults is in the store's disk cache (a shard
+    store's: kept per unit but for at most a sample's tokens, `units_corrections.exact_kept`)."""
+    if is_shard_store(path):
+        return _corrections_units(path, "exact_kept", (CORRECTIONS_SAMPLE_TOKENS,))
     return disk(path).has(_compare_query(None, None, None), fingerprint(path))
 
 
@@ -346,7 +416,7 @@ def corrections_pairs(overrides=None, exact: bool = False):
     store_tokens, background}. A sample is compared one pair at a time (`corrections_tables`)."""
     from mismatch_lab.corrections.layout import pair_info
 
-    path = store()
+    path = live_store()
     every = corrections_sample_every(path)
     done = (_EXACT_DONE.get((path, fingerprint(path), _frozen(overrides)), -math.inf) > time.monotonic() - TTL_S
             or not overrides and _exact_on_disk(path))
@@ -357,7 +427,7 @@ def corrections_pairs(overrides=None, exact: bool = False):
         pairs = tables["corrections"] if tables is not None else pd.DataFrame(columns=["rollout", "scorer"])
         return pairs[["rollout", "scorer"]].drop_duplicates().reset_index(drop=True), None
     sample = _cached_sample(path, every, None, sample_size.__module__, "sample_size", (), ())
-    whole = _call(path, sample_size)
+    whole = _store_size(path)
     background = not overrides and os.environ.get("MISMATCH_LAB_APP_WARMUP", "1") != "0"  # the warm-up's last step
     return info[["rollout", "scorer"]], {"every": every, **sample, "store_sequences": whole["sequences"],
                                          "store_tokens": whole["tokens"], "background": background}
@@ -366,26 +436,30 @@ def corrections_pairs(overrides=None, exact: bool = False):
 def corrections_tables(overrides, rollout: str, scorer: str, sample: dict | None):
     """The comparison's tables holding the pair (rollout, scorer): of every token (sample None: every pair),
     or of the sample (that pair only)."""
+    path = live_store()
     if sample is None:
-        return _exact_tables(store(), overrides)
-    _compare_keeping_drops(store(), sample["every"], (rollout, scorer), overrides)
+        return _exact_tables(path, overrides)
+    _compare_keeping_drops(path, sample["every"], (rollout, scorer), overrides)
     kwargs = (("overrides", overrides or None),)
-    return _cached_sample(store(), sample["every"], (rollout, scorer), COMPARE, "compare", (), kwargs)
+    return _cached_sample(path, sample["every"], (rollout, scorer), COMPARE, "compare", (), kwargs)
 
 
 def dropped_tokens_of(method: str, rollout: str, scorer: str, overrides, sample: dict | None):
     """The tokens `method` drops on the pair, on the same tokens as the comparison shown (the sample's, if any):
     read off the decisions the comparison kept (`_compare_keeping_drops`), else computed (its rule on the pair).
     Named, not imported: the module imports torch, which a cached result does not need."""
-    path, fp = store(), fingerprint(store())
+    path = live_store()
+    fp = fingerprint(path)
+    if is_shard_store(path) and not overrides:  # merged from per-unit parts
+        return _dropped_by_unit(path, fp, None if sample is None else sample["every"], (rollout, scorer), method)
     query = _drops_query(None if sample is None else sample["every"], (rollout, scorer), overrides)
     if disk(path).has(query, fp) and _drops_at(path, fp, query) is not None:
         return _dropped_at(path, fp, query, method)
     module = "mismatch_lab.corrections.dropped"
     if sample is None:
-        return _call_named(store(), module, "dropped_tokens", method, rollout, scorer, overrides=overrides or None)
+        return _call_named(path, module, "dropped_tokens", method, rollout, scorer, overrides=overrides or None)
     kwargs = (("overrides", overrides or None),)
-    return _cached_sample(store(), sample["every"], (rollout, scorer), module, "dropped_tokens",
+    return _cached_sample(path, sample["every"], (rollout, scorer), module, "dropped_tokens",
                           (method, rollout, scorer), kwargs)
 
 
@@ -398,9 +472,10 @@ def volatility_of(
     eps_high: float = definitions.EPS_HIGH,
     path: str | None = None,
 ):
-    """The volatility table of one pair, computed from the pair's tokens (`lab_cache._pair_tokens`)."""
+    """The volatility table of one pair, computed from the pair's tokens (`lab_cache._pair_tokens`; on a shard store
+    per unit, with no connection on the whole store)."""
     n = n_buckets or (definitions.N_LINEAR_BUCKETS if buckets == "linear" else definitions.N_LOG_BUCKETS)
-    path = path or store()
+    path = path or live_store()
     return _volatility(path, fingerprint(path), rollout, scorer, buckets, int(n), float(eps_low), float(eps_high))
 
 

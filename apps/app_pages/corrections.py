@@ -107,7 +107,7 @@ st.caption(
     "Sign-dependent rules use the stored advantage, else reward minus the prompt group's mean, else fire for "
     "either sign (two-sided)."
 )
-lab_ui.store()
+lab_ui.live_store()  # (a shard store: no connection on the whole store; the look-ups below read per unit)
 
 # ---- threshold overrides ----------------------------------------------------------------------------------
 overrides: dict = {}
