@@ -274,10 +274,15 @@ def test_the_page_on_a_store_being_written_shows_the_whole_stores_table_after_a_
             _log(rec, step, step, nonfinite=step == 1)
         at = open_page(path, monkeypatch, "volatility")
         _log(rec, 2, 2)
+        opened = []
+        real = reader._open_parquet_dir
+        monkeypatch.setattr(reader, "_open_parquet_dir", lambda d, files=None, *a, **k: opened.append(files)
+                            or real(d, files, *a, **k))
         monkeypatch.setattr(lab_cache, "FINGERPRINT_S", 0.0)
         at.radio(key="vol_scale").set_value("log")
         next(b for b in at.button if b.label == "Apply").click().run()
         assert not at.exception, at.exception
+    assert opened and None not in opened, "a connection on the whole store"
     con = open_store(path)
     try:
         want = volatility.volatility_table(con, rollout="vllm:bf16", scorer="verl:trainer", buckets="log")
