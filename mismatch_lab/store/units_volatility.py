@@ -176,15 +176,19 @@ def _compute(source: ShardUnits, rollout: str, scorer: str, todo: list[Unit]) ->
         rel, params = rows.sql["rollout"]
         sql = f"SELECT {', '.join(UNIT_COLUMNS)}, {PAIR_SELECT} FROM ({rel})"
         table = con.sql(sql, params=_used(sql, params)).to_arrow_table()
-    return dict.fromkeys(todo) | _split(table)
+    parts = _split(table) if table["step"].null_count == 0 else None
+    if parts is not None and set(parts) <= set(todo):
+        return dict.fromkeys(todo) | parts
+    # a row not labelled by its unit's (run_id, step) (every writer of ours labels it so): one unit at a time
+    if len(todo) == 1:
+        return {todo[0]: _part(table.combine_chunks())}
+    return {u: _compute(source, rollout, scorer, [u])[u] for u in todo}
 
 
 def _split(table) -> dict[Unit, object]:
     """unit -> its rows of `table` (UNIT_COLUMNS and pair_tokens' columns), without UNIT_COLUMNS and without the
     optional columns it has no value of; each an Arrow table of its own (taken, not sliced: cached alone)."""
     import pyarrow.compute as pc
-
-    from mismatch_lab.analysis.volatility import PAIR_OPTIONAL
 
     if table.num_rows == 0:
         return {}
@@ -199,10 +203,17 @@ def _split(table) -> dict[Unit, object]:
     names = runs.dictionary.to_pylist()
     out = {}
     for start, end in zip(starts, [*starts[1:], len(order)], strict=True):
-        part = body.take(order[start:end])
-        unused = [c for c in PAIR_OPTIONAL if part[c].null_count == part.num_rows]
-        out[(names[ordered[start] // span], int(ordered[start] % span))] = part.drop_columns(unused)
+        out[(names[ordered[start] // span], int(ordered[start] % span))] = _part(body.take(order[start:end]))
     return out
+
+
+def _part(table):
+    """A unit's tokens: `table` without UNIT_COLUMNS and without the optional columns it has no value of."""
+    from mismatch_lab.analysis.volatility import PAIR_OPTIONAL
+
+    unused = [c for c in (*UNIT_COLUMNS, *PAIR_OPTIONAL) if c in table.column_names and (
+        c in UNIT_COLUMNS or table[c].null_count == table.num_rows)]
+    return table.drop_columns(unused)
 
 
 def _concat(parts: list):
