@@ -106,6 +106,18 @@ def _pair_tokens_query(rollout: str, scorer: str) -> tuple:
     return ("volatility.pair_tokens", rollout, scorer)
 
 
+def _volatility_by_unit(path: str, fp: str, name: str, *args):
+    """On a shard store, `store.units_volatility.<name>(its units as of fp, disk(path), *args)`: the pair's tokens
+    kept per unit (run, step), so that a refresh reads and computes the new steps only; None on another store."""
+    from mismatch_lab.store import units_volatility
+    from mismatch_lab.store.shards import is_shard_store
+
+    if not is_shard_store(path):
+        return None
+    with page_work():
+        return getattr(units_volatility, name)(units_volatility.ShardUnits(path, fp), disk(path), *args)
+
+
 @st.cache_resource(ttl=TTL_S, show_spinner="Reading the pair's tokens…", max_entries=16)
 def _pair_tokens(path: str, fp: str, rollout: str, scorer: str) -> volatility.PairTokens | None:
     """The per-token inputs of one pair's volatility tables (`volatility.pair_tokens`: 17-33 bytes a token)
@@ -115,13 +127,16 @@ def _pair_tokens(path: str, fp: str, rollout: str, scorer: str) -> volatility.Pa
     def compute():
         return _on_store(path, lambda cur: volatility.pair_tokens(cur, rollout, scorer), fp)
 
-    return _fetch(path, _pair_tokens_query(rollout, scorer), fp, compute)
+    by_unit = _volatility_by_unit(path, fp, "pair_tokens", rollout, scorer)
+    return by_unit if by_unit is not None else _fetch(path, _pair_tokens_query(rollout, scorer), fp, compute)
 
 
 def _keep_pair_tokens(path: str, rollout: str, scorer: str) -> None:
     """The warm-up's step for a pair: its tokens in the disk cache (one join when missing), so that a
     bucketing no one computed yet reads them from there; without a disk cache, in memory."""
     fp = fingerprint(path)
+    if _volatility_by_unit(path, fp, "unit_pair_tokens", rollout, scorer) is not None:  # a shard store: per unit
+        return
     if not disk(path).has(_pair_tokens_query(rollout, scorer), fp):
         _pair_tokens(path, fp, rollout, scorer)
 
@@ -131,8 +146,13 @@ def _volatility(path: str, fp: str, rollout: str, scorer: str, buckets: str, n_b
                 eps_high: float):
     """A pair's volatility table as of `fp`, computed from the pair's tokens (`_pair_tokens`) when not cached."""
     query_ = ("volatility", rollout, scorer, buckets, n_buckets, eps_low, eps_high)
-    return _fetch(path, query_, fp, lambda: volatility.volatility_of_pair(
-        _pair_tokens(path, fp, rollout, scorer), buckets, n_buckets, eps_low, eps_high))
+
+    def compute():
+        by_unit = _volatility_by_unit(path, fp, "volatility_of", *query_[1:])  # a shard store: per unit
+        return by_unit if by_unit is not None else volatility.volatility_of_pair(
+            _pair_tokens(path, fp, rollout, scorer), buckets, n_buckets, eps_low, eps_high)
+
+    return _fetch(path, query_, fp, compute)
 
 
 @st.cache_data(ttl=TTL_S, show_spinner="Querying the new steps…", max_entries=64)

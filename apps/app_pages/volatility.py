@@ -6,7 +6,7 @@ import numpy as np
 import pandas as pd
 import streamlit as st
 
-from mismatch_lab.analysis import browse, definitions
+from mismatch_lab.analysis import definitions
 
 st.title("Volatility")
 st.caption(
@@ -14,8 +14,8 @@ st.caption(
     "in r, so a ratio clip reacts to noise there; the TV |π − μ| does not. Statistics per μ bucket over "
     "finite tokens (denominator `n_tokens`); non-finite ones are counted in `n_nonfinite`."
 )
-lab_ui.store()
-pairs = lab_ui.query(browse.list_pairs)
+lab_ui.live_store()  # (a shard store: no connection on the whole store; its look-ups are per unit)
+pairs = lab_ui.pairs_of()
 if pairs.empty:
     st.info("No scored tokens yet: volatility needs a rollout and at least one scorer.")
     st.stop()

@@ -54,6 +54,15 @@ EXACT_OK = "finite AND isfinite(tv_exact)"
 PAIR_OPTIONAL = {"topk_tv": "topk", "tv_exact": "tv_exact"}
 """pair_tokens' optional columns -> the rows.ABSENT_READS key of what reads them: a pair with no value of
 one (no top-K recorded, no exact TV stored) keeps no column of it."""
+PAIR_SELECT = f"lmu, lpi, finite, topk_tv, CASE WHEN {EXACT_OK} THEN tv_exact END AS tv_exact"
+"""pair_tokens' columns, selected from the rollout row set (`rows.Rows.sql['rollout']`)."""
+QUANTILED = {  # the value a quantile column is taken of (SQL over with_metrics' columns) -> (levels, its columns)
+    "r": (d.RATIO_QUANTILES, tuple(R_QUANTILE_COLUMNS)),
+    "btv": ((0.99,), ("binary_tv_p99",)),
+    "topk_tv": ((0.99,), ("topk_tv_p99",)),
+    f"CASE WHEN {EXACT_OK} THEN tv_exact END": ((0.99,), ("tv_exact_vs_ref_p99",)),
+}
+"""The quantile columns of a volatility table (quantile_cont of each value over a bucket's non-NULL values)."""
 
 
 def bucket_grid(scale: str, edges: list[tuple[float, float]], with_nonfinite: bool) -> pd.DataFrame:
@@ -163,7 +172,7 @@ def pair_tokens(con: duckdb.DuckDBPyConnection, rollout: str, scorer: str) -> Pa
     if not rows.ok:
         return None
     rel, params = rows.sql["rollout"]
-    sql = f"SELECT lmu, lpi, finite, topk_tv, CASE WHEN {EXACT_OK} THEN tv_exact END AS tv_exact FROM ({rel})"
+    sql = f"SELECT {PAIR_SELECT} FROM ({rel})"
     table = con.sql(sql, params=_used(sql, params)).to_arrow_table()
     unused = [c for c in PAIR_OPTIONAL if table[c].null_count == table.num_rows]
     return PairTokens(rollout, scorer, table.drop_columns(unused))
@@ -185,25 +194,39 @@ def volatility_of_pair(
     if tokens is None or tokens.table.num_rows == 0:
         return empty(VOLATILITY_COLUMNS)
     t = Thresholds(clip_low=1.0 - eps_low, clip_high=1.0 + eps_high)
-    has = set(tokens.table.column_names)
-    topk = "{'tv': topk_tv, 'kl': CAST(NULL AS DOUBLE)}" if "topk_tv" in has else typed_null("STRUCT(tv DOUBLE, kl DOUBLE)")
-    base = f"SELECT lmu, lpi, finite, {'tv_exact' if 'tv_exact' in has else typed_null('DOUBLE')} AS tv_exact, " \
-           f"{topk} AS topk FROM _ml_pair"  # fmt: skip
-    absent = ["entropy", *(key for c, key in PAIR_OPTIONAL.items() if c not in has)]
-    sql = f"""SELECT * EXCLUDE (_r), {', '.join(f'_r[{i + 1}] AS {c}' for i, c in enumerate(R_QUANTILE_COLUMNS))}
-              FROM (SELECT coalesce({d.bucket_sql(buckets, n)}, {NONFINITE_BUCKET}) AS bucket,
-                           {sums_sql(t, VOLATILITY_SUMS, absent)},
-                           quantile_cont(r, {list(d.RATIO_QUANTILES)}) AS _r,
-                           quantile_cont(btv, 0.99) AS binary_tv_p99, quantile_cont(topk_tv, 0.99) AS topk_tv_p99,
-                           quantile_cont(CASE WHEN {EXACT_OK} THEN tv_exact END, 0.99) AS tv_exact_vs_ref_p99
-                    FROM ({with_metrics(base, STORED_METRICS)}) GROUP BY ALL)"""
-    mem = duckdb.connect()
-    try:
-        mem.register("_ml_pair", tokens.table)
-        got = mem.execute(sql).df()
-    finally:
-        mem.close()
+    quantiles, picks = [], []
+    for i, (value, (levels, columns)) in enumerate(QUANTILED.items()):
+        one = len(levels) == 1
+        quantiles.append(f"quantile_cont({value}, {levels[0] if one else list(levels)}) AS _q{i}")
+        picks += [f"_q{i} AS {columns[0]}"] if one else [f"_q{i}[{j + 1}] AS {c}" for j, c in enumerate(columns)]
+    sql = f"""SELECT * EXCLUDE ({', '.join(f'_q{i}' for i in range(len(QUANTILED)))}), {', '.join(picks)}
+              FROM ({bucket_groups_sql(set(tokens.table.column_names), buckets, n, t, quantiles)})"""
+    got = on_pair(tokens.table, sql, arrow=False)
     for i, (name, label) in enumerate((("rollout", tokens.rollout), ("scorer", tokens.scorer))):
         got.insert(i, name, pd.Series(label, index=got.index, dtype=object))  # as volatility_table's labels
     got["bucket"] = got["bucket"].astype("int64")
     return _table(got, got.drop(columns=list(VOLATILITY_SUMS)), buckets, edges)
+
+
+def bucket_groups_sql(has: set[str], buckets: str, n: int, t: Thresholds, aggregates: list[str]) -> str:
+    """SQL over pair tokens registered as `_ml_pair` (`on_pair`; `has`: their columns): per mu bucket (`bucket`,
+    NONFINITE_BUCKET where log mu is not finite) the VOLATILITY_SUMS (rows.sums_sql) and `aggregates`
+    ('<SQL> AS <name>' over the per-token metrics of relations.with_metrics: r, btv, topk_tv, tv_exact, ...)."""
+    topk = "{'tv': topk_tv, 'kl': CAST(NULL AS DOUBLE)}" if "topk_tv" in has else typed_null("STRUCT(tv DOUBLE, kl DOUBLE)")
+    base = f"SELECT lmu, lpi, finite, {'tv_exact' if 'tv_exact' in has else typed_null('DOUBLE')} AS tv_exact, " \
+           f"{topk} AS topk FROM _ml_pair"  # fmt: skip
+    absent = ["entropy", *(key for c, key in PAIR_OPTIONAL.items() if c not in has)]
+    return f"""SELECT coalesce({d.bucket_sql(buckets, n)}, {NONFINITE_BUCKET}) AS bucket,
+                      {sums_sql(t, VOLATILITY_SUMS, absent)}, {', '.join(aggregates)}
+               FROM ({with_metrics(base, STORED_METRICS)}) GROUP BY ALL"""
+
+
+def on_pair(table, sql: str, *, arrow: bool = True, cursor: duckdb.DuckDBPyConnection | None = None):
+    """The result of `sql` (an Arrow table, else a pandas frame) run on an in-memory DuckDB where the Arrow table
+    `table` is `_ml_pair`: a new one, or `cursor` (a fresh cursor of a database kept elsewhere; closed here)."""
+    mem = cursor or duckdb.connect()
+    try:
+        mem.register("_ml_pair", table)
+        return mem.sql(sql).to_arrow_table() if arrow else mem.execute(sql).df()
+    finally:
+        mem.close()
