@@ -2,14 +2,15 @@
 
 Methods × shares (tokens masked, sequences dropped whole, weights changed, ESS) for one (rollout, scorer)
 pair, from `mismatch_lab.corrections.compare.compare` (cached per store and overrides; a store over
-`lab_ui.CORRECTIONS_SAMPLE_TOKENS` tokens first on a stated sample of its prompt groups, one pair at a time,
-until the comparison of every token is cached: `lab_ui.corrections_pairs`); filters by token category, μ bucket or advantage sign from its split tables; each
+`lab_corrections.CORRECTIONS_SAMPLE_TOKENS` tokens first on a stated sample of its prompt groups, one pair at a time,
+until the comparison of every token is cached: `lab_corrections.corrections_pairs`); filters by token category, μ bucket or advantage sign from its split tables; each
 method's framework option and parameters; optional threshold overrides; the sequences a method drops,
 each one click away from the token inspector.
 """
 
 import json
 
+import lab_corrections
 import lab_inspect
 import lab_select
 import lab_ui
@@ -120,7 +121,7 @@ with st.expander("Threshold overrides"):
             help="the same as `mismatch-lab corrections --set`; empty: the published defaults",
         )
         st.form_submit_button("Apply")
-    st.dataframe(lab_ui.method_defaults(), hide_index=True)
+    st.dataframe(lab_corrections.method_defaults(), hide_index=True)
 items = [s for s in (text or "").replace(";", ",").split(",") if s.strip()]
 if items:
     # imported here, not at the top: it imports torch (its rules), which only checking overrides needs
@@ -138,7 +139,7 @@ if items:
 exact = st.toggle("Every token", key="corr_exact",
                   help="compare the methods on every token of the store (a large store opens on a sample of its "
                   "prompt groups until that comparison is cached: the app's warm-up computes it in the background)")
-pairs, sample = lab_ui.corrections_pairs(overrides, exact)  # (warmed)
+pairs, sample = lab_corrections.corrections_pairs(overrides, exact)  # (warmed)
 if sample is not None:
     st.info(
         f"Computed on a sample: {sample['tokens']:,} of the store's {sample['store_tokens']:,} tokens "
@@ -159,7 +160,7 @@ c = st.columns([2, 2, 3])
 lab_ui.keep_valid("corr_pair", list(range(len(labels))))
 pick = c[0].selectbox("Pair (rollout μ → scorer π)", range(len(labels)), format_func=labels.__getitem__, key="corr_pair")
 rollout, scorer = pairs.rollout[pick], pairs.scorer[pick]
-tables = lab_ui.corrections_tables(overrides, rollout, scorer, sample)  # a sample: this pair only
+tables = lab_corrections.corrections_tables(overrides, rollout, scorer, sample)  # a sample: this pair only
 main = tables["corrections"]
 here = main[(main["rollout"] == rollout) & (main["scorer"] == scorer)].reset_index(drop=True)
 split = c[1].radio("Tokens", list(SPLITS), format_func=lambda s: SPLITS[s][2], key="corr_split")
@@ -227,7 +228,7 @@ if not droppers:
 lab_ui.keep_valid("corr_method", droppers)
 method = st.selectbox("Method", droppers, key="corr_method",
                       help="the methods that drop at least one token of this pair (whole pair, no filter)")
-tokens = lab_ui.dropped_tokens_of(method, rollout, scorer, overrides, sample)
+tokens = lab_corrections.dropped_tokens_of(method, rollout, scorer, overrides, sample)
 seqs = dropped_sequences(tokens)
 st.caption(
     f"{method} drops {len(tokens):,} of {n_tokens:,} tokens in {len(seqs):,} sequences "

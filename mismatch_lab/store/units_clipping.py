@@ -7,10 +7,11 @@ together, and combined):
                      published thresholds that `clipping.category_table` reads (`clipping.CATEGORY_SUMS`; the
                      whole-store function rolls them up from `Rows.grid`)
     clip_token_ids   per (rollout, scorer, run_id, token_id, category): the sums `clipping.ranked_tokens` reads
-                     (`Rows.sums_by`)
+                     (both in one pass: `Rows.sums_by_sets`)
     token_names      per (run_id, token_id): the least text of the id (`rows.token_names`)
     categories       per token category: its tokens (`browse.list_categories`)
-    pair_counts      per (run_id, scorer): score rows (`browse.list_pairs`' counts, by the runs' rollout labels)
+    pair_counts      per (run_id, scorer): score rows (`browse.list_pairs`' counts, by the runs' rollout labels;
+                     `PairUnits`, its own parts: the Volatility page lists the pairs too)
 The top clipped tokens are ranked over every token's combined sums (the whole-store query ranks the contenders of a
 first pass: the same n rows).
 
@@ -51,20 +52,31 @@ def _rows(con):
     return once(con, "clipping_rows", lambda: Rows(con, Filters()))
 
 
-def clip_grid(con) -> pd.DataFrame:
-    from mismatch_lab.analysis.clipping import CATEGORY_SUMS
+def _clip_sums(con) -> dict[str, pd.DataFrame]:
+    """The page's sums in one pass over the units' rows: per GRID_KEYS the sums of its table by category
+    (`clipping.CATEGORY_SUMS`), per `rows.TOKEN_ID_KEYS` the sums of its ranked tokens (`clipping.TWO_SIDED_SUMS`)."""
+    from mismatch_lab.analysis.clipping import CATEGORY_SUMS, TWO_SIDED_SUMS
+    from mismatch_lab.analysis.relations import once
+    from mismatch_lab.analysis.rows import TOKEN_ID_KEYS
 
-    rows = _rows(con)
-    return rows.sums_by(GRID_KEYS, _thresholds(), CATEGORY_SUMS) if rows.ok else pd.DataFrame(columns=GRID_KEYS)
+    def run():
+        rows = _rows(con)
+        if not rows.ok:
+            return {"grid": pd.DataFrame(columns=list(GRID_KEYS)), "ids": pd.DataFrame(columns=list(TOKEN_ID_KEYS))}
+        found = rows.sums_by_sets(_thresholds(), {"grid": (GRID_KEYS, CATEGORY_SUMS),
+                                                  "ids": (TOKEN_ID_KEYS, TWO_SIDED_SUMS)})
+        found["ids"]["token_id"] = found["ids"]["token_id"].astype("Int64")  # (NULL in the other set's rows)
+        return found
+
+    return once(con, "clipping_sums", run)
+
+
+def clip_grid(con) -> pd.DataFrame:
+    return _clip_sums(con)["grid"]
 
 
 def clip_token_ids(con) -> pd.DataFrame:
-    from mismatch_lab.analysis.clipping import TWO_SIDED_SUMS
-    from mismatch_lab.analysis.rows import TOKEN_ID_KEYS
-
-    rows = _rows(con)
-    return rows.sums_by(TOKEN_ID_KEYS, _thresholds(), TWO_SIDED_SUMS) if rows.ok else pd.DataFrame(
-        columns=TOKEN_ID_KEYS)
+    return _clip_sums(con)["ids"]
 
 
 def token_names(con) -> pd.DataFrame:
@@ -117,7 +129,6 @@ def _merged() -> dict:
         "clip_token_ids": Merged(clip_token_ids, ("rollout", "scorer", "run_id", "token_id", "category")),
         "token_names": Merged(token_names, ("run_id", "token_id"), {"token_text": "least"}),
         "categories": Merged(categories, ("category",), {"n": "sum"}),
-        "pair_counts": Merged(pair_counts, ("run_id", "scorer"), {"n": "sum"}),
     }
 
 
@@ -130,6 +141,19 @@ class ClippingUnits(ShardUnits):
     @property
     def merged(self) -> dict:
         return _merged()
+
+
+class PairUnits(ShardUnits):
+    """The units of a shard store as the pages' pair lists read them (`list_pairs`: the Clipping and Volatility
+    pages): the score counts alone, not every clipping sum of a refresh's new steps."""
+
+    queries = ()
+
+    @property
+    def merged(self) -> dict:
+        from mismatch_lab.store.units_merged import Merged
+
+        return {"pair_counts": Merged(pair_counts, ("run_id", "scorer"), {"n": "sum"})}
 
 
 class WorstUnits(ShardUnits):
@@ -153,7 +177,7 @@ def _run_labels(source: ShardUnits, results: cache.ResultsCache) -> pd.DataFrame
 
 def list_pairs(source: ShardUnits, results: cache.ResultsCache) -> pd.DataFrame:
     """`browse.list_pairs` of a shard store: the units' score counts per run and scorer, by the runs' rollout."""
-    counts = merged(source.like(ClippingUnits), results, "pair_counts")
+    counts = merged(source.like(PairUnits), results, "pair_counts")
     found = counts.merge(_run_labels(source, results), on="run_id")  # (as the whole store's join with the runs)
     out = found.groupby(PAIR_KEYS, sort=True)["n"].sum().astype("int64").reset_index()
     return out.rename(columns={"n": "n_tokens"})

@@ -150,7 +150,8 @@ def test_an_override_on_a_sample_runs_only_the_method_it_changes_and_shows_the_s
     con = open_store(grouped)
     n_tokens = con.execute("SELECT count(*) FROM tokens").fetchone()[0]
     con.close()
-    monkeypatch.setattr(lab_ui, "CORRECTIONS_SAMPLE_TOKENS", n_tokens // 3 + 1)  # stride 3
+    import lab_corrections  # (beside lab_ui: the fixture puts apps/ on the path)
+    monkeypatch.setattr(lab_corrections, "CORRECTIONS_SAMPLE_TOKENS", n_tokens // 3 + 1)  # stride 3
     runs = []
     real = compare_module.accumulate
     monkeypatch.setattr(compare_module, "accumulate", functools.wraps(real)(

@@ -1,4 +1,4 @@
-"""The Corrections page of a large store opens on a sample of its prompt groups (`lab_ui.corrections_view`):
+"""The Corrections page of a large store opens on a sample of its prompt groups (`lab_corrections.corrections_pairs`):
 the sample equals a store holding only those sequences, the page says it shows a sample and of how many
 tokens, and *Every token* shows the comparison of the whole store."""
 
@@ -19,7 +19,7 @@ from mismatch_lab.store.synthetic import SyntheticSpec, synthetic_store, write_s
 
 if str(APP.parent) not in sys.path:
     sys.path.insert(0, str(APP.parent))
-import lab_ui  # (the module the app script imports: one object, so the monkeypatch reaches it)
+import lab_corrections  # (the module the app script imports: one object, so the monkeypatch reaches it)
 
 EVERY = 3
 
@@ -77,7 +77,7 @@ def test_the_page_shows_a_sample_of_a_large_store_with_its_size_and_every_token_
     monkeypatch.setenv("MISMATCH_LAB_STUDY", str(grouped.path))
     monkeypatch.setenv("MISMATCH_LAB_APP_WARMUP", "0")
     n_tokens = duckdb.connect(str(grouped.path), read_only=True).execute("SELECT count(*) FROM tokens").fetchone()[0]
-    monkeypatch.setattr(lab_ui, "CORRECTIONS_SAMPLE_TOKENS", n_tokens // EVERY + 1)  # stride EVERY
+    monkeypatch.setattr(lab_corrections, "CORRECTIONS_SAMPLE_TOKENS", n_tokens // EVERY + 1)  # stride EVERY
     at = AppTest.from_file(str(APP), default_timeout=120)
     at.run()
     at.switch_page("app_pages/corrections.py").run()

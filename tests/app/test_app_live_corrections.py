@@ -233,7 +233,8 @@ def test_a_refresh_of_the_corrections_page_compares_only_the_new_step_and_opens_
 def test_a_refresh_of_the_page_on_a_sample_compares_the_new_sampled_step_only(tmp_path, monkeypatch, lab_ui,
                                                                               computed):
     path = (tmp_path / "live").resolve()
-    monkeypatch.setattr(lab_ui, "CORRECTIONS_SAMPLE_TOKENS", 4 * B * T)  # 5 to 8 steps of 320 tokens: 1 in 2
+    import lab_corrections  # (beside lab_ui: the fixture puts apps/ on the path)
+    monkeypatch.setattr(lab_corrections, "CORRECTIONS_SAMPLE_TOKENS", 4 * B * T)  # 5 to 8 steps of 320 tokens: 1 in 2
     steps = 5
     with _live(path) as rec:
         for step in range(steps):
