@@ -186,7 +186,7 @@ def top_clipped_tokens(
     # two passes: the clip counts of every token from the clipped rows alone, then every sum for the rows
     # of the tokens that can reach the top n (ties at the boundary are broken by the full counts)
     clips = rows.token_sums(t, ("c_hi", "c_lo"), clipped=True)
-    contenders = _contenders(clips.assign(n_ratio_clip=clips["c_hi"] + clips["c_lo"]), n)
+    contenders = contenders_of(clips, n)
     if contenders.empty:
         return empty(TOKEN_COLUMNS)
     s = rows.token_sums(t, TWO_SIDED_SUMS, tokens=contenders[["token_text", "token_id"]])
@@ -208,9 +208,11 @@ def ranked_tokens(s: pd.DataFrame, n: int) -> pd.DataFrame:
     return out[TOKEN_COLUMNS]
 
 
-def _contenders(s: pd.DataFrame, n: int) -> pd.DataFrame:
-    """The keys that can be among the n most clipped of their (rollout, scorer): n_ratio_clip > 0 and at
-    least the n-th largest n_ratio_clip of the pair (every key tied with the n-th is kept)."""
+def contenders_of(clips: pd.DataFrame, n: int) -> pd.DataFrame:
+    """The keys of `clips` (the clip counts c_hi, c_lo per rows.TOKEN_KEYS) that can be among the n most clipped of
+    their (rollout, scorer): n_ratio_clip > 0 and at least the n-th largest n_ratio_clip of the pair (every key
+    tied with the n-th is kept)."""
+    s = clips.assign(n_ratio_clip=clips["c_hi"] + clips["c_lo"])
     s = s[s["n_ratio_clip"] > 0]
     nth = s.groupby(["rollout", "scorer"])["n_ratio_clip"].transform(lambda c: c.nlargest(int(n)).min())
     return s[s["n_ratio_clip"] >= nth].reset_index(drop=True)

@@ -155,6 +155,13 @@ def token_names(con, keys: tuple[str, ...] = ("run_id", "token_id")) -> pd.DataF
     return query(con, f"SELECT {', '.join(keys)}, min(token_text) AS token_text FROM tokens{join} GROUP BY ALL")
 
 
+def token_ids_of(tokens: pd.DataFrame, names: pd.DataFrame) -> list[int]:
+    """The token ids behind (token_text, token_id) keys `tokens`, given each id's text `names` (`token_names`): the
+    id itself, or every id named by the text."""
+    named = names.loc[names["token_text"].isin(tokens["token_text"].dropna()), "token_id"]
+    return sorted({int(i) for i in [*tokens["token_id"].dropna(), *named.dropna()]})
+
+
 def named_token_sums(by_id: pd.DataFrame, names: pd.DataFrame) -> pd.DataFrame:
     """Sums per TOKEN_KEYS from sums per (.., run_id, token_id, ..) `by_id` and each id's text `names` (run_id,
     token_id, token_text): a named id stands under its text (token_id NULL), an unnamed one under its id."""
@@ -460,10 +467,7 @@ class Rows:
         return self._cache["token_names"]
 
     def _token_ids(self, tokens: pd.DataFrame) -> list[int]:
-        """The token ids behind (token_text, token_id) keys: the id itself, or every id named by the text."""
-        names = self._token_names()
-        named = names.loc[names["token_text"].isin(tokens["token_text"].dropna()), "token_id"]
-        return sorted({int(i) for i in [*tokens["token_id"].dropna(), *named.dropna()]})
+        return token_ids_of(tokens, self._token_names())
 
     def quantiles(self, scale: str, n_buckets: int) -> pd.DataFrame:
         """Per (rollout, scorer, mu bucket of `scale`): quantiles of r (definitions.RATIO_QUANTILES) and the

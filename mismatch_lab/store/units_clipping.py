@@ -28,7 +28,7 @@ import pandas as pd
 
 from mismatch_lab.store import cache
 from mismatch_lab.store.units import ShardUnits, UnitQuery, _on, by_unit
-from mismatch_lab.store.units_merged import merged
+from mismatch_lab.store.units_merged import merged, merged_parts
 
 WORST_N = 50
 """The worst sequences kept per unit and scope: the inspector's Worst sequences mode lists as many."""
@@ -198,16 +198,33 @@ def clipping_by_category(source: ShardUnits, results: cache.ResultsCache, rollou
 
 def top_clipped_tokens(source: ShardUnits, results: cache.ResultsCache, n: int, rollout: str, scorer: str
                        ) -> pd.DataFrame:
-    """`clipping.top_clipped_tokens(n, rollout=, scorer=)` at the published thresholds, ranked over the units'
-    sums of every token id, named by the least text of each id over the units."""
-    from mismatch_lab.analysis.clipping import ranked_tokens
-    from mismatch_lab.analysis.rows import named_token_sums
+    """`clipping.top_clipped_tokens(n, rollout=, scorer=)` at the published thresholds from the kept parts' sums
+    per token id, named by the least text of each id over the units; as the whole-store query, in two steps: the
+    clip counts of every token (three columns of the parts combined), then every sum of the contenders' ids."""
+    from mismatch_lab.analysis.clipping import (
+        TOKEN_COLUMNS,
+        contenders_of,
+        ranked_tokens,
+    )
+    from mismatch_lab.analysis.relations import empty
+    from mismatch_lab.analysis.rows import (
+        TOKEN_ID_KEYS,
+        TOKEN_KEYS,
+        named_token_sums,
+        token_ids_of,
+    )
 
     clipping = source.like(ClippingUnits)
-    by_id = merged(clipping, results, "clip_token_ids")
-    by_id = by_id[(by_id["rollout"] == rollout) & (by_id["scorer"] == scorer)]
+    parts = [p[(p["rollout"] == rollout) & (p["scorer"] == scorer)]
+             for p in merged_parts(clipping, results, "clip_token_ids")]
     names = merged(clipping, results, "token_names")
-    return ranked_tokens(named_token_sums(by_id, names), int(n))
+    clips = named_token_sums(pd.concat([p[[*TOKEN_ID_KEYS, "n", "c_hi", "c_lo"]] for p in parts]), names)
+    contenders = contenders_of(clips, n)
+    if contenders.empty:
+        return empty(TOKEN_COLUMNS)
+    ids = token_ids_of(contenders, names)
+    found = named_token_sums(pd.concat([p[p["token_id"].isin(ids)] for p in parts]), names)
+    return ranked_tokens(contenders[TOKEN_KEYS].merge(found, on=TOKEN_KEYS, how="left"), int(n))  # null keys match
 
 
 def worst_sequences(source: ShardUnits, results: cache.ResultsCache, *, scorer: str | None = None, n: int = 20

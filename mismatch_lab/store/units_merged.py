@@ -11,8 +11,8 @@ lie in their sequence's unit) and each column is such an aggregate of those rows
 on one connection over the units no kept part holds: the first load, all of them; a refresh, its new ones). A part
 is kept under its units' fingerprints, in memory and in the store's results cache (one entry a part, and an index
 of the parts), and dropped when one of its units changed (a resumed job's step written again): its units are then
-computed again, with the new ones. Past MAX_PARTS parts they are combined into one. The combined rows are kept in
-memory with the fingerprints they were built from.
+computed again, with the new ones. Past MAX_PARTS parts they are combined into one. Each query's combined rows are kept
+in memory with the fingerprints they were built from, combined when first asked for.
 """
 
 from __future__ import annotations
@@ -71,13 +71,33 @@ _LOCK = threading.Lock()
 
 
 def merged(source, results: cache.ResultsCache, name: str) -> pd.DataFrame:
-    """The query `name` of `source.merged` over every unit of the store of `source` (module doc)."""
+    """The query `name` of `source.merged` over every unit of the store of `source` (module doc): its parts
+    combined, once per set of fingerprints."""
+    kept = _kept(source, results)
+    with _LOCK:
+        found = kept.combined.get(name)
+    if found is None:
+        found = source.merged[name].combine(merged_parts(source, results, name, kept))
+        with _LOCK:
+            found = kept.combined.setdefault(name, found)
+    return found
+
+
+def merged_parts(source, results: cache.ResultsCache, name: str, kept: _Kept | None = None) -> list[pd.DataFrame]:
+    """The rows of the query `name` of each kept part (their union: every unit), not combined: for a look-up that
+    combines a few of their columns, or a few of their rows."""
+    kept = kept or _kept(source, results)
+    return [kept.frames[key][name] for _, key in kept.parts]
+
+
+def _kept(source, results: cache.ResultsCache) -> _Kept:
+    """The parts of the store of `source` as of its fingerprints, the units no part holds computed (module doc)."""
     fps = source.fingerprints()
     group = type(source).__name__
     with _LOCK:
         kept = _KEPT.get((source.key, group))
         if kept is not None and kept.fps == fps:
-            return kept.combined[name]
+            return kept
     kept = kept or _from_disk(results, group)
     parts = [(units, key) for units, key in kept.parts if all(fps.get(u) == fp for u, fp in units.items())]
     todo = sorted(set(fps) - {u for units, _ in parts for u in units})
@@ -91,10 +111,10 @@ def merged(source, results: cache.ResultsCache, name: str) -> pd.DataFrame:
         if len(parts) > MAX_PARTS:
             parts, frames = _one(source, parts, frames, results, group)
         results.put(("merged", group), "parts", parts)
-    combined = {q: m.combine([frames[key][q] for _, key in parts]) for q, m in source.merged.items()}
+    kept = _Kept(parts, frames, fps)
     with _LOCK:
-        _KEPT[(source.key, group)] = _Kept(parts, frames, fps, combined)
-    return combined[name]
+        _KEPT[(source.key, group)] = kept
+    return kept
 
 
 def _from_disk(results: cache.ResultsCache, group: str) -> _Kept:
