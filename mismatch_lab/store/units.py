@@ -269,6 +269,11 @@ class ShardUnits:
         finally:
             con.close()
 
+    def runs_described(self) -> str:
+        """A digest of the store's run rows without RUN_STATE (engine, dtype, kind, config: what labels a run) as of
+        the snapshot: it moves when a run is added or relabelled, not when a writer's status does."""
+        return cache._digest(sorted((run, self.scan._description(run, files)) for run, files in self.snap.runs.items()))
+
     def like(self, cls: type[ShardUnits]) -> ShardUnits:
         """The same store as of the same snapshot, as the source `cls` reads it (another set of queries)."""
         out = cls.__new__(cls)

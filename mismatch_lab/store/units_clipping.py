@@ -166,11 +166,12 @@ class WorstUnits(ShardUnits):
 
 
 def _run_labels(source: ShardUnits, results: cache.ResultsCache) -> pd.DataFrame:
-    """(run_id, rollout): each run's rollout label, from the run rows alone (cached under their files)."""
+    """(run_id, rollout): each run's rollout label, from the run rows alone (cached under what labels the runs: a
+    writer's status moving rewrites its row, not its label)."""
     from mismatch_lab.analysis.definitions import rollout_label_sql
     from mismatch_lab.analysis.relations import query
 
-    key = cache._digest((cache.code_fingerprint(), sorted(source.snap.runs.items())))
+    key = cache._digest((cache.code_fingerprint(), source.runs_described()))
     return results.get_or_compute(("clipping.run_labels",), key, lambda: _on(
         source, [], lambda con: query(con, f"SELECT run_id, {rollout_label_sql('r')} AS rollout FROM runs r")))
 
