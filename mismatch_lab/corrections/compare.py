@@ -142,17 +142,19 @@ class _Accumulator:
     def tables(self, info) -> dict[str, pd.DataFrame]:
         from mismatch_lab.corrections.report import tables
 
-        def frame(parts):
-            """One frame from (keys, {column: array or scalar}) parts, concatenated column by column."""
-            if not parts:
-                return None
-            keys = pd.concat([k for k, _ in parts], ignore_index=True)
-            sizes = [len(k) for k, _ in parts]
-            for col in parts[0][1]:
-                keys[col] = np.concatenate([np.broadcast_to(c[col], n) for (_, c), n in zip(parts, sizes)])
-            return keys
+        return tables(self.vs, entries_frame(self.tokens), entries_frame(self.seqs), info)
 
-        return tables(self.vs, frame(self.tokens), frame(self.seqs), info)
+
+def entries_frame(parts: list) -> pd.DataFrame | None:
+    """One frame from an accumulator's (keys, {column: array or scalar}) entries, concatenated column by column
+    (None without entries)."""
+    if not parts:
+        return None
+    keys = pd.concat([k for k, _ in parts], ignore_index=True)
+    sizes = [len(k) for k, _ in parts]
+    for col in parts[0][1]:
+        keys[col] = np.concatenate([np.broadcast_to(c[col], n) for (_, c), n in zip(parts, sizes)])
+    return keys
 
 
 def _groups(keys: pd.DataFrame) -> tuple[pd.DataFrame, np.ndarray]:

@@ -187,14 +187,12 @@ def _compared(view, info: pd.DataFrame, topk: dict[tuple, bool]) -> tuple:
 def _frame(parts: list, info: pd.DataFrame) -> pd.DataFrame | None:
     """An accumulator's entries (keys, {column: array or scalar}) as one frame, the pair index named by its
     (rollout, scorer) of `info`, rolled up per key (the sums of one part: fewer rows to keep and merge)."""
+    from mismatch_lab.corrections.compare import entries_frame
     from mismatch_lab.corrections.report import TOKEN_SUMS
 
-    if not parts:
+    keys = entries_frame(parts)
+    if keys is None:
         return None
-    keys = pd.concat([k for k, _ in parts], ignore_index=True)
-    sizes = [len(k) for k, _ in parts]
-    for col in parts[0][1]:
-        keys[col] = np.concatenate([np.broadcast_to(c[col], n) for (_, c), n in zip(parts, sizes)])
     keys["rollout"] = info["rollout"].to_numpy()[keys["pair"].to_numpy()]
     keys["scorer"] = info["scorer"].to_numpy()[keys["pair"].to_numpy()]
     by = ["label", *PAIR, *[k for k in TOKEN_KEYS if k in keys]]
