@@ -55,13 +55,17 @@ _FIXED: contextvars.ContextVar[tuple[duckdb.DuckDBPyConnection, dict] | None] = 
 
 
 @contextlib.contextmanager
-def fixed_store(con: duckdb.DuckDBPyConnection):
+def fixed_store(con: duckdb.DuckDBPyConnection, memo: dict | None = None):
     """Within the block, look-ups of the store on `con` (`once`: its tables' columns, its runs) are taken at
     their first call and reused: for a series of queries on a connection whose store does not change
     meanwhile (`store.units` computing the new steps of a refresh, on a connection over their files). A
     look-up costs 1-4 ms (binding a Parquet view reads its files' footers), and the per-step queries of a
-    refresh made 16 of the columns alone."""
-    token = _FIXED.set((con, {}))
+    refresh made 16 of the columns alone. Inside a block of the same `con` already: that block's look-ups. `memo`:
+    the look-ups of an earlier block on `con` (a connection kept for more queries on the same files)."""
+    if _held(con):
+        yield con
+        return
+    token = _FIXED.set((con, {} if memo is None else memo))
     try:
         yield con
     finally:

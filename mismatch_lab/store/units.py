@@ -32,6 +32,7 @@ on the whole store: each row of these queries is computed from the rows of one (
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import itertools
 import os
@@ -204,6 +205,10 @@ def scan(root: str | Path) -> Scan:
         return _SCANS.setdefault(str(root), Scan(root))
 
 
+def _units_bytes(snap: Snapshot, units) -> int:
+    return sum(f[1] for u in units for files in snap.units.get(tuple(u), {}).values() for f in files)
+
+
 def open_units(root: str | Path, units, snap: Snapshot | None = None):
     """A read-only connection on the units (run_id, step) of a shard store only (and its run rows): for units
     of fewer than ONE_THREAD_BYTES a cursor of the process's one-thread database (`_small`), else a connection
@@ -212,8 +217,7 @@ def open_units(root: str | Path, units, snap: Snapshot | None = None):
 
     s = scan(root)
     snap = snap or s.snapshot()
-    size = sum(f[1] for u in units for files in snap.units.get(tuple(u), {}).values() for f in files)
-    on = _small() if size < ONE_THREAD_BYTES else None  # a refresh's few new steps
+    on = _small() if _units_bytes(snap, units) < ONE_THREAD_BYTES else None  # a refresh's few new steps
     con = reader._open_parquet_dir(s.root, s.files(snap, units), on=on)
     con.execute("SET enable_progress_bar = false")
     return con
@@ -238,8 +242,34 @@ def _small():
 
 def _close_small() -> None:
     with _SMALL_LOCK:
+        while _HELD:
+            _HELD.popitem()[1][0].close()
         while _SMALL:
             _SMALL.pop().close()
+
+
+MAX_HELD = 4
+"""Small connections kept after use (`ShardUnits.connection`), the last used: one a store being refreshed."""
+_HELD: collections.OrderedDict = collections.OrderedDict()  # (store, units, their fps, run rows) -> (con, memo)
+
+
+def _take_held(key: tuple):
+    """The kept connection (and its look-ups) over the files `key` names, taken out (one user at a time); None."""
+    with _SMALL_LOCK:
+        return _HELD.pop(key, None)
+
+
+def _hold(key: tuple, con, memo: dict) -> None:
+    """Keep `con` for the next block over the same files: the store's connection kept before over other files
+    is closed (those units are computed), and the least recently kept past MAX_HELD."""
+    with _SMALL_LOCK:
+        gone = [k for k in _HELD if k[0] == key[0]]
+        closing = [_HELD.pop(k)[0] for k in gone]
+        _HELD[key] = (con, memo)
+        while len(_HELD) > MAX_HELD:
+            closing.append(_HELD.popitem(last=False)[1][0])
+    for old in closing:
+        old.close()
 
 
 # --- sources of units: a shard store, a DuckDB store's open connection ----------------------------------------
@@ -263,10 +293,24 @@ class ShardUnits:
 
     @contextlib.contextmanager
     def connection(self, units):
-        con = open_units(self.scan.root, units, self.snap)
+        """A connection over `units` as of the snapshot, inside `relations.fixed_store`. A small one (`open_units`:
+        a refresh's few new steps) is kept after the block for the next block over the same files (a page's
+        look-ups of one refresh each compute the same new units: one connection, not one each)."""
+        from mismatch_lab.analysis.relations import fixed_store
+
+        units = sorted(units)
+        key = (self.key, tuple(units), tuple(self.snap.fingerprints.get(u) for u in units),
+               tuple(sorted(self.snap.runs.items())))
+        con, memo = _take_held(key) or (open_units(self.scan.root, units, self.snap), {})
         try:
-            yield con
-        finally:
+            with fixed_store(con, memo):
+                yield con
+        except BaseException:
+            con.close()
+            raise
+        if _units_bytes(self.snap, units) < ONE_THREAD_BYTES:
+            _hold(key, con, memo)
+        else:
             con.close()
 
     def runs_described(self) -> str:

@@ -8,6 +8,7 @@ together, and combined):
                      whole-store function rolls them up from `Rows.grid`)
     clip_token_ids   per (rollout, scorer, run_id, token_id, category): the sums `clipping.ranked_tokens` reads
                      (both in one pass: `Rows.sums_by_sets`)
+    clipped_token_ids  the clip counts of clip_token_ids' clipped rows (what ranks the contenders)
     token_names      per (run_id, token_id): the least text of the id (`rows.token_names`)
     categories       per token category: its tokens (`browse.list_categories`)
     pair_counts      per (run_id, scorer): score rows (`browse.list_pairs`' counts, by the runs' rollout labels;
@@ -79,6 +80,17 @@ def clip_token_ids(con) -> pd.DataFrame:
     return _clip_sums(con)["ids"]
 
 
+def clipped_token_ids(con) -> pd.DataFrame:
+    """`clip_token_ids`' clip counts (c_hi, c_lo) of its clipped rows: what ranks the top clipped tokens' contenders
+    (as the whole-store query's first step, over the clipped rows alone)."""
+    from mismatch_lab.analysis.rows import TOKEN_ID_KEYS
+
+    ids = clip_token_ids(con)
+    if "c_hi" not in ids:  # (no rows to sum)
+        return pd.DataFrame(columns=[*TOKEN_ID_KEYS, "c_hi", "c_lo"])
+    return ids.loc[ids["c_hi"] + ids["c_lo"] > 0, [*TOKEN_ID_KEYS, "c_hi", "c_lo"]].reset_index(drop=True)
+
+
 def token_names(con) -> pd.DataFrame:
     """Per (run_id, token_id) of the tokens with a text: the least one (`rows.token_names`)."""
     from mismatch_lab.analysis.relations import query, table_columns
@@ -122,11 +134,13 @@ QUERIES = {"worst": UnitQuery(worst, ("run_id", "step", "seq_id"))}
 
 
 def _merged() -> dict:
+    from mismatch_lab.analysis.rows import TOKEN_ID_KEYS
     from mismatch_lab.store.units_merged import Merged
 
     return {
         "clip_grid": Merged(clip_grid, GRID_KEYS),
-        "clip_token_ids": Merged(clip_token_ids, ("rollout", "scorer", "run_id", "token_id", "category")),
+        "clip_token_ids": Merged(clip_token_ids, TOKEN_ID_KEYS),
+        "clipped_token_ids": Merged(clipped_token_ids, TOKEN_ID_KEYS),
         "token_names": Merged(token_names, ("run_id", "token_id"), {"token_text": "least"}),
         "categories": Merged(categories, ("category",), {"n": "sum"}),
     }
@@ -201,7 +215,8 @@ def top_clipped_tokens(source: ShardUnits, results: cache.ResultsCache, n: int, 
                        ) -> pd.DataFrame:
     """`clipping.top_clipped_tokens(n, rollout=, scorer=)` at the published thresholds from the kept parts' sums
     per token id, named by the least text of each id over the units; as the whole-store query, in two steps: the
-    clip counts of every token (three columns of the parts combined), then every sum of the contenders' ids."""
+    clip counts of every token from the units' clipped rows (`clipped_token_ids`), then every sum of the
+    contenders' ids."""
     from mismatch_lab.analysis.clipping import (
         TOKEN_COLUMNS,
         contenders_of,
@@ -209,22 +224,22 @@ def top_clipped_tokens(source: ShardUnits, results: cache.ResultsCache, n: int, 
     )
     from mismatch_lab.analysis.relations import empty
     from mismatch_lab.analysis.rows import (
-        TOKEN_ID_KEYS,
         TOKEN_KEYS,
         named_token_sums,
         token_ids_of,
     )
 
+    def of_pair(rows: pd.DataFrame) -> pd.DataFrame:  # (after a cut by number: few rows' texts compared)
+        return rows[(rows["rollout"] == rollout) & (rows["scorer"] == scorer)]
+
     clipping = source.like(ClippingUnits)
-    parts = [p[(p["rollout"] == rollout) & (p["scorer"] == scorer)]
-             for p in merged_parts(clipping, results, "clip_token_ids")]
     names = merged(clipping, results, "token_names")
-    clips = named_token_sums(pd.concat([p[[*TOKEN_ID_KEYS, "n", "c_hi", "c_lo"]] for p in parts]), names)
-    contenders = contenders_of(clips, n)
+    contenders = contenders_of(named_token_sums(of_pair(merged(clipping, results, "clipped_token_ids")), names), n)
     if contenders.empty:
         return empty(TOKEN_COLUMNS)
     ids = token_ids_of(contenders, names)
-    found = named_token_sums(pd.concat([p[p["token_id"].isin(ids)] for p in parts]), names)
+    parts = merged_parts(clipping, results, "clip_token_ids")
+    found = named_token_sums(pd.concat([of_pair(p[p["token_id"].isin(ids)]) for p in parts]), names)
     return ranked_tokens(contenders[TOKEN_KEYS].merge(found, on=TOKEN_KEYS, how="left"), int(n))  # null keys match
 
 
