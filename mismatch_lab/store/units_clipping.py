@@ -25,6 +25,7 @@ the n worst of the kept parts are the store's.
 
 from __future__ import annotations
 
+import numpy as np
 import pandas as pd
 
 from mismatch_lab.store import cache
@@ -35,6 +36,8 @@ WORST_N = 50
 """The worst sequences kept per unit and scope: the inspector's Worst sequences mode lists as many."""
 GRID_KEYS = ("rollout", "scorer", "adv_sign", "category")
 PAIR_KEYS = ["rollout", "scorer"]
+NO_ID = np.iinfo(np.int64).min
+"""A NULL token id where ids are compared as int64 (no token's id)."""
 
 
 def _thresholds():
@@ -238,9 +241,18 @@ def top_clipped_tokens(source: ShardUnits, results: cache.ResultsCache, n: int, 
     if contenders.empty:
         return empty(TOKEN_COLUMNS)
     ids = token_ids_of(contenders, names)
-    parts = merged_parts(clipping, results, "clip_token_ids")
-    found = named_token_sums(pd.concat([of_pair(p[p["token_id"].isin(ids)]) for p in parts]), names)
+    rows = [of_pair(p) for p in _rows_of_ids(merged_parts(clipping, results, "clip_token_ids"), ids)]
+    found = named_token_sums(pd.concat(rows), names)
     return ranked_tokens(contenders[TOKEN_KEYS].merge(found, on=TOKEN_KEYS, how="left"), int(n))  # null keys match
+
+
+def _rows_of_ids(parts: list[pd.DataFrame], ids: list[int]) -> list[pd.DataFrame]:
+    """The rows of `parts` whose token_id is among `ids` (a few ids among every part's; none: NULL ids), parts
+    without such rows left out (at least one: an empty frame)."""
+    wanted = np.asarray(ids, dtype=np.int64)
+    out = [p.take(np.flatnonzero(np.isin(p["token_id"].to_numpy(np.int64, na_value=NO_ID), wanted)))
+           for p in parts]
+    return [p for p in out if len(p)] or out[:1]
 
 
 def worst_sequences(source: ShardUnits, results: cache.ResultsCache, *, scorer: str | None = None, n: int = 20
