@@ -232,7 +232,7 @@ def top_clipped_tokens(source: ShardUnits, results: cache.ResultsCache, n: int, 
         token_ids_of,
     )
 
-    def of_pair(rows: pd.DataFrame) -> pd.DataFrame:  # (after a cut by number: few rows' texts compared)
+    def of_pair(rows: pd.DataFrame) -> pd.DataFrame:  # (after a cut by numbers: few rows' labels compared)
         return rows[(rows["rollout"] == rollout) & (rows["scorer"] == scorer)]
 
     clipping = source.like(ClippingUnits)
@@ -241,8 +241,8 @@ def top_clipped_tokens(source: ShardUnits, results: cache.ResultsCache, n: int, 
     if contenders.empty:
         return empty(TOKEN_COLUMNS)
     ids = token_ids_of(contenders, names)
-    rows = [of_pair(p) for p in _rows_of_ids(merged_parts(clipping, results, "clip_token_ids"), ids)]
-    found = named_token_sums(pd.concat(rows), names)
+    found = named_token_sums(of_pair(pd.concat(_rows_of_ids(merged_parts(clipping, results, "clip_token_ids"), ids))),
+                             names)
     return ranked_tokens(contenders[TOKEN_KEYS].merge(found, on=TOKEN_KEYS, how="left"), int(n))  # null keys match
 
 
