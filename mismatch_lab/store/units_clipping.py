@@ -10,7 +10,7 @@ together, and combined):
                      (both in one pass: `Rows.sums_by_sets`)
     clipped_token_ids  the clip counts of clip_token_ids' clipped rows (what ranks the contenders)
     token_names      per (run_id, token_id): the least text of the id (`rows.token_names`)
-    categories       per token category: its tokens (`browse.list_categories`)
+    categories       the token categories present (`browse.list_categories`)
     pair_counts      per (run_id, scorer): score rows (`browse.list_pairs`' counts, by the runs' rollout labels;
                      `PairUnits`, its own parts: the Volatility page lists the pairs too)
 The top clipped tokens are ranked over every token's combined sums (the whole-store query ranks the contenders of a
@@ -106,12 +106,11 @@ def token_names(con) -> pd.DataFrame:
 
 
 def categories(con) -> pd.DataFrame:
-    """Per token category (`browse.list_categories`' rule): its tokens."""
+    """The token categories present (`browse.list_categories`' rule)."""
     from mismatch_lab.analysis.relations import col, query, table_columns
 
     category = col(table_columns(con, "tokens"), "t", "category", "VARCHAR")
-    return query(con, f"SELECT coalesce({category}, 'uncategorized') AS category, count(*) AS n FROM tokens t "
-                      "GROUP BY ALL")
+    return query(con, f"SELECT DISTINCT coalesce({category}, 'uncategorized') AS category FROM tokens t")
 
 
 def pair_counts(con) -> pd.DataFrame:
@@ -145,7 +144,7 @@ def _merged() -> dict:
         "clip_token_ids": Merged(clip_token_ids, TOKEN_ID_KEYS),
         "clipped_token_ids": Merged(clipped_token_ids, TOKEN_ID_KEYS),
         "token_names": Merged(token_names, ("run_id", "token_id"), {"token_text": "least"}),
-        "categories": Merged(categories, ("category",), {"n": "sum"}),
+        "categories": Merged(categories, ("category",), {}),
     }
 
 

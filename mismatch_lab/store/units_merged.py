@@ -32,8 +32,8 @@ MAX_PARTS = 16
 @dataclass(frozen=True)
 class Merged:
     """A query `fn(con) -> rows` grouped by `keys`; its other columns combined by `agg` (column -> 'sum', 'max', or
-    'least': the least non-NULL value; None: every sums column of `rows.sums_sql` present, `x_` maxima by max, as
-    `rows.rollup`)."""
+    'least': the least non-NULL value; {}: the keys alone; None: every sums column of `rows.sums_sql` present, `x_`
+    maxima by max, as `rows.rollup`)."""
 
     fn: Callable
     keys: tuple[str, ...]
