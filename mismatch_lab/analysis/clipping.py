@@ -75,14 +75,16 @@ def clip_metrics(s: pd.DataFrame, sign: str) -> pd.DataFrame:
 
 
 def _by(grid: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
-    """Metrics per (rollout, scorer, adv_sign, *keys): 'all' over every token, then each sign present."""
+    """Metrics per (rollout, scorer, adv_sign, *keys): 'all' over every token, then each sign present (its sums
+    rolled up with the others' in one pass: each group's rows, in their order, as from the sign's rows alone)."""
+    pair = ["rollout", "scorer", *keys]
+    signed = rollup(grid, ["rollout", "scorer", "adv_sign", *keys])
     parts = []
     for sign in SIGN_ORDER:
-        g = grid if sign == "all" else grid[grid["adv_sign"] == sign]
-        if g.empty:
+        s = rollup(grid, pair) if sign == "all" else signed[signed["adv_sign"] == sign]
+        if s.empty:
             continue
-        s = rollup(g, ["rollout", "scorer", *keys])
-        parts.append(pd.concat([s[["rollout", "scorer", *keys]].assign(adv_sign=sign), clip_metrics(s, sign)], axis=1))
+        parts.append(pd.concat([s[pair].assign(adv_sign=sign), clip_metrics(s, sign)], axis=1))
     return pd.concat(parts, ignore_index=True)
 
 
