@@ -541,7 +541,7 @@ def measure(browser, args, log: Path, cached: dict) -> dict:
         # warm-up off: its whole-store analyses in the background would be counted in the server's CPU
         key = "refresh" if name == "training" else f"refresh_{name}"
         report[key] = refresh(browser, OUT / "app-live-store", log, cached | {"MISMATCH_LAB_APP_WARMUP": "0"},
-                              *args.refresh, tokens=1_000_000, name=name)
+                              *args.refresh, tokens=args.refresh_tokens, name=name)
     return report
 
 
@@ -561,6 +561,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--commit", default="HEAD", help="the commit whose apps/ and mismatch_lab/ are measured")
     parser.add_argument("--refresh", nargs=2, type=int, default=[200, 5], metavar=("M", "N"),
                         help="the refresh figure: a run of M steps, then N new ones (0 0: skip)")
+    parser.add_argument("--refresh-tokens", type=int, default=1_000_000, metavar="T",
+                        help="the refresh figure's run holds about T tokens (16 sequences a step; the same tokens a "
+                             "step at M steps and T x M'/M at M': a longer run of the same steps)")
     parser.add_argument("--refresh-pages", nargs="+", choices=list(PAGES),
                         help="the pages whose refresh is measured (default: Overview and Training among --pages; any page)")
     args = parser.parse_args(argv)
