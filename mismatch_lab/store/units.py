@@ -242,6 +242,7 @@ def _small():
 
 def _close_small() -> None:
     with _SMALL_LOCK:
+        _SHUT.append(True)  # (a block still running gives its connection back: closed, not kept)
         while _HELD:
             _HELD.popitem()[1][0].close()
         while _SMALL:
@@ -251,6 +252,7 @@ def _close_small() -> None:
 MAX_HELD = 4
 """Small connections kept after use (`ShardUnits.connection`), the last used: one a store being refreshed."""
 _HELD: collections.OrderedDict = collections.OrderedDict()  # (store, units, their fps, run rows) -> (con, memo)
+_SHUT: list = []  # set at exit (`_close_small`): nothing kept after it
 
 
 def _take_held(key: tuple):
@@ -265,7 +267,10 @@ def _hold(key: tuple, con, memo: dict) -> None:
     with _SMALL_LOCK:
         gone = [k for k in _HELD if k[0] == key[0]]
         closing = [_HELD.pop(k)[0] for k in gone]
-        _HELD[key] = (con, memo)
+        if _SHUT:
+            closing.append(con)
+        else:
+            _HELD[key] = (con, memo)
         while len(_HELD) > MAX_HELD:
             closing.append(_HELD.popitem(last=False)[1][0])
     for old in closing:
@@ -308,7 +313,7 @@ class ShardUnits:
         except BaseException:
             con.close()
             raise
-        if _units_bytes(self.snap, units) < ONE_THREAD_BYTES:
+        if units and _units_bytes(self.snap, units) < ONE_THREAD_BYTES:  # (no units: the run rows alone)
             _hold(key, con, memo)
         else:
             con.close()

@@ -413,6 +413,42 @@ def test_a_refresh_of_a_few_new_steps_opens_no_database_and_looks_up_the_columns
     assert looked_up == [None]  # every table's columns at once, for the refresh's 4 queries (were 16 look-ups)
 
 
+def test_a_kept_connection_serves_the_same_files_alone_and_none_is_kept_once_the_process_exits(tmp_path, monkeypatch):
+    """A small connection over some units is kept after its block for the next block over the same files (the
+    look-ups of one refresh), with its column look-ups; a unit written again, or the run rows changed, open
+    another on the new files; a block raising closes its connection; after the exit's clean-up none is kept."""
+    from mismatch_lab.analysis import relations
+
+    def rows(con) -> int:
+        return con.execute("SELECT count(*) FROM tokens").fetchone()[0]
+
+    path = tmp_path / "live"
+    with _recorder(path) as rec:
+        for step in range(3):
+            _log(rec, step, step)
+    one = [("live", 2)]
+    with units.ShardUnits(path).connection(one) as first:
+        assert relations.table_columns(first, "tokens") and rows(first) == B * T
+        memo = relations._FIXED.get()[1]
+    with units.ShardUnits(path).like(units.InspectorUnits).connection(one) as again:
+        assert again is first and relations._FIXED.get()[1] is memo  # the same files: kept, with its look-ups
+    with Recorder(path, "live", framework="verl", rollout_engine="vllm", rollout_dtype="bf16") as resumed:
+        resumed.log_step(2, np.zeros((B, 2 * T), int), np.ones((B, 2 * T), bool), -np.ones((B, 2 * T)),
+                         -np.ones((B, 2 * T)), rewards=np.zeros(B))  # step 2 written again, twice the tokens
+    with units.ShardUnits(path).connection(one) as other:
+        assert other is not first and rows(other) == 2 * B * T
+    with pytest.raises(ZeroDivisionError), units.ShardUnits(path).connection(one) as failing:
+        assert failing is other
+        raise ZeroDivisionError
+    with units.ShardUnits(path).connection(one) as fresh:
+        assert fresh is not failing  # (closed, not kept)
+    monkeypatch.setattr(units, "_SHUT", [])
+    with units.ShardUnits(path).connection(one) as last:
+        assert last is fresh
+        units._close_small()  # the exit's clean-up while a block runs (another thread's)
+    assert not units._HELD and units._SHUT  # that block's connection closed, not kept
+
+
 def test_a_scan_lists_again_only_the_folders_a_writer_changed(tmp_path, monkeypatch):
     path = tmp_path / "live"
     with _recorder(path) as rec:
