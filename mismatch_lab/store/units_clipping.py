@@ -13,8 +13,8 @@ together, and combined):
     categories       the token categories present (`browse.list_categories`)
     pair_counts      per (run_id, scorer): score rows (`browse.list_pairs`' counts, by the runs' rollout labels;
                      `PairUnits`, its own parts: the Volatility page lists the pairs too)
-The top clipped tokens are ranked over every token's combined sums (the whole-store query ranks the contenders of a
-first pass: the same n rows).
+The top clipped tokens are ranked in the whole-store query's two steps: the contenders from the combined clip counts
+of the clipped rows (`clipped_token_ids`), then every sum of the contenders' ids from each part's rows of those ids.
 
 The worst sequences are kept per unit (`store.units`, `WorstUnits`: its own entries, computed when the inspector's
 Worst sequences mode is opened): per unit and scope (every scorer: NULL; each scorer) the WORST_N sequences of
